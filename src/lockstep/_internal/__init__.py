@@ -1,0 +1,1 @@
+"""lockstep's internals: not part of the public API."""

@@ -1,0 +1,209 @@
+"""The controller: runs the worker group, turns the workers' reports into committed reports,
+and decides what a failure means (restart from the latest checkpoint, or give up).
+
+A run is a sequence of attempts. Each attempt starts a fresh worker group and ends when every
+rank has finished (success) or one has failed. ``report()`` calls are collected per report
+index; when the last rank's call arrives the report is committed and every rank is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cloudpickle
+
+from lockstep._internal import protocol
+from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.run_record import RunRecorder
+from lockstep.checkpoint import Checkpoint
+from lockstep.errors import TrainingFailedError, WorkerFailure
+from lockstep.result import Result
+
+logger = logging.getLogger(__name__)
+
+PayloadBuilder = Callable[[int, Checkpoint | None], bytes]
+
+
+@dataclass
+class Attempt:
+    """What the controller knows about the current worker group."""
+
+    world_size: int
+    started_at: float = field(default_factory=time.monotonic)
+    connected: set[int] = field(default_factory=set)
+    pending_reports: dict[int, dict[int, protocol.Report]] = field(default_factory=dict)
+    reports_made: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    exited: set[int] = field(default_factory=set)
+    failures: list[WorkerFailure] = field(default_factory=list)
+    return_value: Any = None
+
+    @property
+    def succeeded(self) -> bool:
+        return len(self.exited) == self.world_size and len(self.finished) == self.world_size
+
+    @property
+    def over(self) -> bool:
+        return bool(self.failures) or self.succeeded
+
+
+class Controller:
+    """Drives one run to a Result or a TrainingFailedError."""
+
+    def __init__(
+        self,
+        make_group: Callable[[], WorkerGroup],
+        build_payload: PayloadBuilder,
+        recorder: RunRecorder,
+        world_size: int,
+        max_failures: int,
+        start_checkpoint: Checkpoint | None = None,
+    ) -> None:
+        self.make_group = make_group
+        self.build_payload = build_payload
+        self.recorder = recorder
+        self.world_size = world_size
+        self.max_failures = max_failures
+        self.start_checkpoint = start_checkpoint
+        self.failure_history: list[TrainingFailedError] = []
+
+    def run(self, first_payload: bytes) -> Result:
+        """Run attempts until one succeeds or failures exceed ``max_failures``."""
+        payload = first_payload
+        try:
+            while True:
+                attempt = self._run_attempt(payload)
+                if attempt.succeeded:
+                    self.recorder.finish("finished")
+                    return self.recorder.result(attempt.return_value)
+                error = TrainingFailedError.from_failures(attempt.failures, self._failure_context())
+                self.failure_history.append(error)
+                if not self._may_restart():
+                    raise self._final_error(error)
+                logger.warning("%s\nRestarting the workers (failure %d of %s allowed).", error,
+                               len(self.failure_history), self._allowed())
+                payload = self.build_payload(self.recorder.next_report_index, self._resume_checkpoint())
+        except KeyboardInterrupt:
+            self.recorder.finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
+            raise
+        except TrainingFailedError as error:
+            self.recorder.finish("failed", error)
+            raise
+
+    def _resume_checkpoint(self) -> Checkpoint | None:
+        return self.recorder.latest_checkpoint or self.start_checkpoint
+
+    def _failure_context(self) -> str:
+        return f" (report #{self.recorder.next_report_index} was next)"
+
+    def _allowed(self) -> str:
+        return "unlimited" if self.max_failures < 0 else str(self.max_failures)
+
+    def _may_restart(self) -> bool:
+        return self.max_failures < 0 or len(self.failure_history) <= self.max_failures
+
+    def _final_error(self, error: TrainingFailedError) -> TrainingFailedError:
+        if len(self.failure_history) == 1:
+            return error
+        lines = [f"Training failed {len(self.failure_history)} times (max_failures={self.max_failures})."]
+        lines += [f"Failure {number}: {failure}" for number, failure in enumerate(self.failure_history, 1)]
+        return TrainingFailedError("\n\n".join(lines), error.failures)
+
+    # -- one attempt --------------------------------------------------------------------------
+
+    def _run_attempt(self, payload: bytes) -> Attempt:
+        attempt = Attempt(self.world_size)
+        group = self.make_group()
+        try:
+            group.start(payload)
+            while not attempt.over:
+                for event in group.wait_events(None):
+                    self._handle(event, attempt, group)
+        finally:
+            group.stop()
+        return attempt
+
+    def _handle(self, event: Any, attempt: Attempt, group: WorkerGroup) -> None:
+        if isinstance(event, protocol.Report):
+            self._on_report(event, attempt, group)
+        elif isinstance(event, protocol.Hello):
+            self._on_hello(event, attempt)
+        elif isinstance(event, protocol.Finished):
+            self._on_finished(event, attempt)
+        elif isinstance(event, protocol.Failed):
+            attempt.failures.append(event.failure)
+        elif isinstance(event, WorkerExited):
+            self._on_exit(event, attempt)
+
+    def _on_hello(self, hello: protocol.Hello, attempt: Attempt) -> None:
+        attempt.connected.add(hello.rank)
+        if len(attempt.connected) == self.world_size:
+            logger.info("%d workers up in %.2f s.", self.world_size, time.monotonic() - attempt.started_at)
+
+    def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
+        attempt.reports_made[report.rank] = report.index + 1
+        calls = attempt.pending_reports.setdefault(report.index, {})
+        calls[report.rank] = report
+        if len(calls) < self.world_size:
+            self._check_no_rank_left(attempt)
+            return
+        del attempt.pending_reports[report.index]
+        checkpoint_path = self._commit(report.index, calls)
+        for rank in range(self.world_size):
+            group.send(rank, protocol.ReportDone(report.index, checkpoint_path))
+
+    def _commit(self, index: int, calls: dict[int, protocol.Report]) -> str | None:
+        dir_names = {call.checkpoint_dir_name for call in calls.values()} - {None}
+        if len(dir_names) > 1:
+            raise TrainingFailedError(
+                f"report #{index}: ranks passed different checkpoint_dir_name values {sorted(dir_names)}; "
+                "every rank must use the same name."
+            )
+        metrics_json = calls[0].metrics_json or "{}"
+        checkpoint_path = self.recorder.commit_report(index, metrics_json, next(iter(dir_names), None))
+        logger.info("report #%d: %s%s", index, metrics_json, f" -> {checkpoint_path}" if checkpoint_path else "")
+        return checkpoint_path
+
+    def _on_finished(self, finished: protocol.Finished, attempt: Attempt) -> None:
+        attempt.finished.add(finished.rank)
+        if finished.rank == 0 and finished.return_value is not None:
+            attempt.return_value = cloudpickle.loads(finished.return_value)
+        self._check_no_rank_left(attempt)
+
+    def _check_no_rank_left(self, attempt: Attempt) -> None:
+        """Fail at once when ranks wait in a report() that a finished rank will never make."""
+        for index, calls in attempt.pending_reports.items():
+            gone = sorted(rank for rank in attempt.finished if rank not in calls)
+            if gone:
+                waiting = ", ".join(str(rank) for rank in sorted(calls))
+                attempt.failures += [
+                    WorkerFailure(
+                        rank, "ReportMismatch",
+                        f"returned from the train function after {attempt.reports_made.get(rank, 0)} "
+                        f"report() calls while rank(s) {waiting} wait in report #{index}; every rank must "
+                        "call report() the same number of times.",
+                    )
+                    for rank in gone
+                ]
+                return
+
+    def _on_exit(self, exited: WorkerExited, attempt: Attempt) -> None:
+        attempt.exited.add(exited.rank)
+        failed_ranks = {failure.rank for failure in attempt.failures}
+        if exited.rank not in attempt.finished and exited.rank not in failed_ranks:
+            attempt.failures.append(
+                WorkerFailure(exited.rank, "WorkerDied", f"the worker process {describe_exit(exited.returncode)}")
+            )
+
+
+def describe_exit(returncode: int) -> str:
+    """How a process ended, in words (with the usual cause of a SIGKILL)."""
+    if returncode >= 0:
+        return f"exited with code {returncode} before its train function returned"
+    name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+    hint = " (often the out-of-memory killer)" if -returncode == signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"

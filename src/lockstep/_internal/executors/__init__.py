@@ -1,0 +1,68 @@
+"""Executors: who starts the worker processes. Chosen once per ``fit()``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Callable
+
+from lockstep._internal.executors.base import GroupSpec, WorkerGroup
+from lockstep.config import ScalingConfig
+
+logger = logging.getLogger(__name__)
+
+LOCAL_RESOURCE_KEYS = ("CPU", "GPU", "memory")
+
+
+def make_group_factory(scaling: ScalingConfig) -> Callable[[], WorkerGroup]:
+    """A function that starts a fresh worker group for ``scaling`` (one call per attempt).
+
+    Raises:
+        ValueError: the request can't be met on this machine; raised before anything starts.
+    """
+    from lockstep._internal.executors.local import LocalWorkerGroup
+
+    spec = GroupSpec(
+        num_workers=scaling.num_workers,
+        cpus_per_worker=scaling.num_cpus_per_worker,
+        gpus_per_worker=scaling.num_gpus_per_worker,
+        use_gpu=scaling.use_gpu,
+        resources_per_worker=scaling.worker_resources,
+    )
+    check_local_resources(spec)
+    return lambda: LocalWorkerGroup(spec)
+
+
+def check_local_resources(spec: GroupSpec) -> None:
+    """Refuse requests this machine can't meet; warn about CPU oversubscription."""
+    unknown = sorted(set(spec.resources_per_worker) - set(LOCAL_RESOURCE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"ScalingConfig.resources_per_worker asks for {unknown}, which the local executor doesn't "
+            f"provide (it knows {', '.join(LOCAL_RESOURCE_KEYS)}). Custom resources are for Ray "
+            "clusters: call ray.init(...) before fit(), or remove them."
+        )
+    if spec.use_gpu:
+        _check_gpus(spec)
+    cpus = os.cpu_count() or 1
+    wanted = spec.num_workers * spec.cpus_per_worker
+    if wanted > cpus:
+        logger.warning(
+            "%d workers x %g CPUs = %g CPUs, but this machine has %d; they will share cores and run slower.",
+            spec.num_workers, spec.cpus_per_worker, wanted, cpus,
+        )
+
+
+def _check_gpus(spec: GroupSpec) -> None:
+    from lockstep._internal.executors.local import visible_gpu_ids
+
+    available = len(visible_gpu_ids())
+    needed = math.ceil(spec.num_workers * spec.gpus_per_worker)
+    if needed > available:
+        fits = int(available // spec.gpus_per_worker) if spec.gpus_per_worker else 0
+        hint = f"use num_workers={fits}" if fits >= 1 else "use a machine with GPUs"
+        raise ValueError(
+            f"num_workers={spec.num_workers} with {spec.gpus_per_worker:g} GPU each needs {needed} GPUs; "
+            f"this machine has {available}: {hint} or use_gpu=False."
+        )

@@ -1,0 +1,210 @@
+"""The local executor: each rank is a fresh Python process on this machine.
+
+Processes are started with ``subprocess`` (never a fork of the driver), each in its own
+process group so that stopping a rank also stops its data-loader processes. The driver waits
+on the workers' sockets and process handles at once, so it wakes only when something happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from lockstep._internal import protocol
+from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
+from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_PATH
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def find_free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def user_python_path() -> list[str]:
+    """The driver's import path entries that a fresh interpreter would not have (the script's
+    folder, entries added by the user), so workers can import the same modules."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    entries = [os.path.abspath(entry or os.getcwd()) for entry in sys.path]
+    return [entry for entry in dict.fromkeys(entries) if not any(entry.startswith(prefix) for prefix in prefixes)]
+
+
+def visible_gpu_ids() -> list[str]:
+    """The GPU ids this driver may use: its CUDA_VISIBLE_DEVICES, else all GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [item.strip() for item in visible.split(",") if item.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
+    """Indices (into the visible GPU list) given to ``rank``: whole GPUs each, or a shared one
+    when ``gpus_per_worker`` is a fraction."""
+    if gpus_per_worker <= 0:
+        return []
+    if gpus_per_worker < 1:
+        return [math.floor(rank * gpus_per_worker)]
+    per_worker = int(gpus_per_worker)
+    return list(range(rank * per_worker, (rank + 1) * per_worker))
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """``num_workers`` processes on this machine."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self._listener = protocol.DriverListener(LOOPBACK)
+        self._processes: dict[int, subprocess.Popen[bytes]] = {}
+        self._exit_handles: dict[int, int] = {}
+        self._connections: dict[int, Connection] = {}
+        self._payload_path: str | None = None
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self, payload: bytes) -> None:
+        """Write the payload where workers read it, then start every rank."""
+        self._payload_path = _write_payload(payload)
+        master_port = find_free_port()
+        gpu_ids = visible_gpu_ids() if self.spec.use_gpu else []
+        for rank in range(self.spec.num_workers):
+            env = self._worker_env(rank, master_port, gpu_ids)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True
+            )
+            self._processes[rank] = process
+            self._exit_handles[rank] = os.pidfd_open(process.pid)
+        logger.debug("started %d worker processes", self.spec.num_workers)
+
+    def _worker_env(self, rank: int, master_port: int, gpu_ids: list[str]) -> dict[str, str]:
+        num_workers = self.spec.num_workers
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(num_workers),
+            LOCAL_WORLD_SIZE=str(num_workers),
+            NODE_RANK="0",
+            GROUP_RANK="0",
+            MASTER_ADDR=LOOPBACK,
+            MASTER_PORT=str(master_port),
+            OMP_NUM_THREADS=str(max(1, int(self.spec.cpus_per_worker))),
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            **{ENV_PAYLOAD_PATH: self._payload_path or ""},
+            **self._listener.worker_env(),
+        )
+        if self.spec.use_gpu:
+            slots = gpu_slots(rank, self.spec.gpus_per_worker)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids[slot] for slot in slots)
+            env[ENV_GPU_IDS] = ",".join(gpu_ids[slot] for slot in slots)
+        return env
+
+    # -- events --------------------------------------------------------------------------------
+
+    def wait_events(self, timeout: float | None) -> list[Any]:
+        """Wait on the listener, the workers' sockets and their exit handles together."""
+        exit_ranks = {handle: rank for rank, handle in self._exit_handles.items()}
+        waitables: list[Any] = [self._listener, *self._connections.values(), *exit_ranks]
+        events: list[Any] = []
+        exited: list[int] = []
+        for ready in wait(waitables, timeout):
+            if ready is self._listener:
+                events += self._accept()
+            elif isinstance(ready, Connection):
+                events += self._drain(ready)
+            else:
+                exited.append(exit_ranks[ready])
+        for rank in exited:
+            events += self._on_exit(rank)
+        return events
+
+    def _accept(self) -> list[Any]:
+        try:
+            connection = self._listener.accept()
+            hello = connection.recv()
+        except (OSError, EOFError, AuthenticationError) as error:
+            logger.warning("refused a connection that is not one of this run's workers: %s", error)
+            return []
+        self._connections[hello.rank] = connection
+        return [hello]
+
+    def _drain(self, connection: Connection) -> list[Any]:
+        """Every message waiting on ``connection`` (it is dropped at end of stream)."""
+        messages: list[Any] = []
+        try:
+            while connection.poll():
+                messages.append(connection.recv())
+        except (EOFError, OSError):
+            self._forget(connection)
+        return messages
+
+    def _forget(self, connection: Connection) -> None:
+        for rank, known in list(self._connections.items()):
+            if known is connection:
+                del self._connections[rank]
+        connection.close()
+
+    def _on_exit(self, rank: int) -> list[Any]:
+        """A rank's process ended: first deliver what it sent before dying, then the exit."""
+        os.close(self._exit_handles.pop(rank))
+        self._processes[rank].wait()
+        connection = self._connections.get(rank)
+        messages = self._drain(connection) if connection is not None else []
+        return [*messages, WorkerExited(rank, self._processes[rank].returncode)]
+
+    def send(self, rank: int, message: Any) -> None:
+        """Send a message to a rank (ignored if that rank is already gone)."""
+        connection = self._connections.get(rank)
+        if connection is None:
+            return
+        try:
+            connection.send(message)
+        except OSError:
+            self._forget(connection)
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGKILL every rank's process group and reap the processes."""
+        for process in self._processes.values():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for process in self._processes.values():
+            process.wait()
+        for handle in self._exit_handles.values():
+            os.close(handle)
+        self._exit_handles.clear()
+        for connection in list(self._connections.values()):
+            connection.close()
+        self._connections.clear()
+        self._listener.close()
+        if self._payload_path is not None:
+            os.unlink(self._payload_path)
+            self._payload_path = None
+
+
+def _write_payload(payload: bytes) -> str:
+    """Put the payload in a private file, in memory-backed /dev/shm when there is one."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    handle, path = tempfile.mkstemp(prefix="lockstep_payload_", dir=folder)
+    with os.fdopen(handle, "wb") as file:
+        file.write(payload)
+    return path

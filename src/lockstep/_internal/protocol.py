@@ -1,0 +1,120 @@
+"""Messages between the driver and its workers, and the authenticated socket that carries them.
+
+Every executor (local processes, Ray actors, …) uses this same channel: a worker connects
+back to the driver, says who it is, receives its payload, and then talks in the messages below.
+The driver answers each ``Report`` only when every rank has sent it, which makes ``report()``
+a barrier without any polling.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
+
+from lockstep.errors import WorkerFailure
+
+ENV_DRIVER_ADDRESS = "LOCKSTEP_DRIVER_ADDRESS"
+ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
+ENV_DRIVER_PID = "LOCKSTEP_DRIVER_PID"
+
+
+# -- worker -> driver ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message of a worker: its rank and process id."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's ``report()`` call. Only rank 0 sends metrics (as a JSON string)."""
+
+    rank: int
+    index: int
+    metrics_json: str | None
+    checkpoint_dir_name: str | None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The train function returned; rank 0 sends its pickled return value."""
+
+    rank: int
+    return_value: bytes | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The train function (or the worker's set-up) raised."""
+
+    failure: WorkerFailure
+
+
+# -- driver -> worker ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportDone:
+    """Every rank has made report ``index``; it is recorded, and its checkpoint (if any) committed."""
+
+    index: int
+    checkpoint_path: str | None
+    error: str | None = None
+
+
+WorkerMessage = Hello | Report | Finished | Failed
+
+
+# -- the channel ---------------------------------------------------------------------------------
+
+
+class DriverListener:
+    """A TCP listener on the driver that accepts workers and checks their shared secret."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.authkey = secrets.token_bytes(32)
+        self._socket = socket.create_server((host, 0), backlog=128)
+        self.address: tuple[str, int] = self._socket.getsockname()[:2]
+
+    def fileno(self) -> int:
+        """Readable when a worker is waiting to be accepted (for ``multiprocessing.connection.wait``)."""
+        return self._socket.fileno()
+
+    def accept(self) -> Connection:
+        """Accept one waiting worker and authenticate it both ways."""
+        client, _ = self._socket.accept()
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = Connection(client.detach())
+        deliver_challenge(connection, self.authkey)
+        answer_challenge(connection, self.authkey)
+        return connection
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment variables a worker needs to connect back."""
+        host, port = self.address
+        return {ENV_DRIVER_ADDRESS: f"{host}:{port}", ENV_AUTHKEY: self.authkey.hex(), ENV_DRIVER_PID: str(os.getpid())}
+
+    def close(self) -> None:
+        """Stop accepting workers."""
+        self._socket.close()
+
+
+def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Connection:
+    """Open the worker's channel to the driver named in its environment."""
+    host, port = env[ENV_DRIVER_ADDRESS].rsplit(":", 1)
+    authkey = bytes.fromhex(env[ENV_AUTHKEY])
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    connection = Connection(sock.detach())
+    answer_challenge(connection, authkey)
+    deliver_challenge(connection, authkey)
+    return connection
+

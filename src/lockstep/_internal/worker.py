@@ -1,0 +1,132 @@
+"""The worker process: ``python -m lockstep._internal.worker``.
+
+It connects back to the driver, loads its payload, joins the process group, runs the train
+function under a :class:`~lockstep.context.WorkerSession`, reports the outcome and exits.
+It dies with the driver: if the driver is killed, the kernel kills this process too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import logging
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+ENV_PAYLOAD_PATH = "LOCKSTEP_PAYLOAD_PATH"
+ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the driver dies (Linux), and exit now if it
+    already has."""
+    driver_pid = os.environ.get("LOCKSTEP_DRIVER_PID")
+    if driver_pid is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(driver_pid):
+        os._exit(1)
+
+
+def main() -> None:
+    """Run one rank of the job and exit."""
+    die_with_parent()
+    from lockstep._internal import protocol
+
+    rank = int(os.environ["RANK"])
+    connection = protocol.connect_to_driver()
+    connection.send(protocol.Hello(rank, os.getpid()))
+    try:
+        outcome: Any = protocol.Finished(rank, run_rank(rank, connection))
+        exit_code = 0
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the driver
+        outcome = protocol.Failed(describe_failure(rank, error))
+        exit_code = 1
+    _send_and_exit(connection, outcome, exit_code)
+
+
+def run_rank(rank: int, connection: Connection) -> bytes | None:
+    """Load the payload, run the train function, and return rank 0's pickled return value."""
+    import cloudpickle
+    import torch
+
+    from lockstep.context import TrainContext, WorkerSession, set_session
+    from lockstep.data import shard_datasets
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with open(os.environ[ENV_PAYLOAD_PATH], "rb") as handle:
+        payload = cloudpickle.load(handle)
+    context = TrainContext(
+        world_rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
+        node_rank=int(os.environ["NODE_RANK"]),
+        experiment_name=payload.experiment_name,
+        storage=payload.storage,
+        metadata=payload.metadata,
+        gpu_ids=tuple(int(item) for item in os.environ.get(ENV_GPU_IDS, "").split(",") if item),
+    )
+    datasets = shard_datasets(payload.datasets, rank, context.world_size, payload.dataset_config.should_split)
+    session = WorkerSession(context, connection, payload.first_report_index, payload.checkpoint, datasets)
+    set_session(session)
+    payload.backend_config.on_worker_start(context, payload.use_gpu)
+    try:
+        value = call_train_fn(payload.train_fn, payload.train_loop_config)
+    finally:
+        payload.backend_config.on_worker_shutdown()
+    return _pickled_return_value(value) if rank == 0 else None
+
+
+def call_train_fn(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> Any:
+    """Call the train function with the config when it takes an argument."""
+    takes_config = len(inspect.signature(train_fn).parameters) > 0
+    return train_fn(config if config is not None else {}) if takes_config else train_fn()
+
+
+def _pickled_return_value(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as error:
+        raise TypeError(
+            f"rank 0's train function returned a {type(value).__name__} that can't be pickled ({error}); "
+            "return plain data (numbers, dicts, CPU tensors)."
+        ) from error
+
+
+def describe_failure(rank: int, error: BaseException) -> Any:
+    """The failure as the driver shows it: the error and the traceback below lockstep's frames."""
+    from lockstep.errors import WorkerFailure
+
+    frames = error.__traceback__
+    while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
+        frames = frames.tb_next
+    text = "".join(traceback.format_exception(type(error), error, frames))
+    return WorkerFailure(rank=rank, error_type=type(error).__name__, message=str(error), traceback=text)
+
+
+def _send_and_exit(connection: Connection, outcome: Any, exit_code: int) -> None:
+    """Tell the driver how this rank ended, then exit at once (no lingering threads)."""
+    try:
+        connection.send(outcome)
+        connection.close()
+    except OSError:
+        exit_code = exit_code or 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Run configuration: how many workers, where results go, how failures and checkpoints are handled.
+
+Each class mirrors the Ray Train class of the same name (``ray.train.ScalingConfig`` and
+friends) and validates itself on construction, raising ``ValueError`` that names the field.
+
+Example:
+    >>> from lockstep import ScalingConfig, RunConfig
+    >>> scaling = ScalingConfig(num_workers=2)
+    >>> run = RunConfig(name="mnist", storage_path="/tmp/lockstep_results")
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEFAULT_STORAGE_PATH = "~/lockstep_results"
+
+
+@dataclass
+class ScalingConfig:
+    """How many workers to run and what each one gets.
+
+    Args:
+        num_workers: Number of worker processes (the world size).
+        use_gpu: Give each worker one GPU (unless ``resources_per_worker`` says otherwise).
+        resources_per_worker: Resources per worker, e.g. ``{"CPU": 2, "GPU": 1}``. Keys are
+            case-sensitive. ``CPU`` also sets each worker's torch intra-op thread count.
+        trainer_resources: Resources for the coordinating process (used by the Ray executor).
+        placement_strategy: One of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD (Ray executor).
+        accelerator_type: Required accelerator type, e.g. ``"A100"`` (Ray executor).
+    """
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    trainer_resources: dict[str, float] | None = None
+    placement_strategy: str = "PACK"
+    accelerator_type: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_num_workers(self.num_workers)
+        if not isinstance(self.use_gpu, bool):
+            raise ValueError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}.")
+        _check_resources("resources_per_worker", self.resources_per_worker)
+        _check_resources("trainer_resources", self.trainer_resources)
+        if self.resources_per_worker and not self.use_gpu and self.resources_per_worker.get("GPU", 0) > 0:
+            raise ValueError(
+                "ScalingConfig.resources_per_worker asks for GPUs but use_gpu=False: "
+                "set use_gpu=True, or remove 'GPU' from resources_per_worker."
+            )
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ScalingConfig.placement_strategy={self.placement_strategy!r} is unknown; "
+                f"choose one of {', '.join(PLACEMENT_STRATEGIES)}."
+            )
+
+    @property
+    def worker_resources(self) -> dict[str, float]:
+        """Resources of one worker, with the defaults filled in (1 CPU, plus 1 GPU with use_gpu)."""
+        resources: dict[str, float] = {"CPU": 1.0}
+        if self.use_gpu:
+            resources["GPU"] = 1.0
+        resources.update(self.resources_per_worker or {})
+        return resources
+
+    @property
+    def num_cpus_per_worker(self) -> float:
+        """CPUs per worker (default 1)."""
+        return float(self.worker_resources.get("CPU", 1.0))
+
+    @property
+    def num_gpus_per_worker(self) -> float:
+        """GPUs per worker (0 without use_gpu)."""
+        return float(self.worker_resources.get("GPU", 0.0)) if self.use_gpu else 0.0
+
+
+def _check_num_workers(num_workers: Any) -> None:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral):
+        raise ValueError(
+            f"ScalingConfig.num_workers must be a positive int, got {num_workers!r} "
+            f"({type(num_workers).__name__})."
+        )
+    if num_workers < 1:
+        raise ValueError(f"ScalingConfig.num_workers must be >= 1, got {num_workers}.")
+
+
+def _check_resources(field_name: str, resources: dict[str, float] | None) -> None:
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise ValueError(f"ScalingConfig.{field_name} must be a dict like {{'CPU': 1}}, got {resources!r}.")
+    for key, amount in resources.items():
+        if not isinstance(key, str):
+            raise ValueError(f"ScalingConfig.{field_name} keys must be strings, got {key!r}.")
+        if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or math.isnan(amount) or amount < 0:
+            raise ValueError(
+                f"ScalingConfig.{field_name}[{key!r}] must be a number >= 0, got {amount!r}."
+            )
+
+
+@dataclass
+class FailureConfig:
+    """What to do when a worker fails.
+
+    Args:
+        max_failures: How many times to restart the worker group from the latest checkpoint
+            before ``fit()`` gives up; ``-1`` means without limit.
+    """
+
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < -1:
+            raise ValueError(
+                f"FailureConfig.max_failures must be an int >= 0, or -1 for no limit; got {self.max_failures!r}."
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    """Which checkpoints to keep.
+
+    Args:
+        num_to_keep: Keep at most this many checkpoints (all when None). The latest is never deleted.
+        checkpoint_score_attribute: A reported metric to rank checkpoints by; without it, the
+            most recent ones are kept.
+        checkpoint_score_order: ``"max"`` or ``"min"``: which end of the metric is best.
+    """
+
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: Literal["max", "min"] = "max"
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None and (
+            isinstance(self.num_to_keep, bool) or not isinstance(self.num_to_keep, int) or self.num_to_keep < 1
+        ):
+            raise ValueError(
+                f"CheckpointConfig.num_to_keep must be None (keep all) or an int >= 1, got {self.num_to_keep!r}; "
+                "to keep no checkpoints, don't pass one to report()."
+            )
+        if self.checkpoint_score_order not in ("max", "min"):
+            raise ValueError(
+                f"CheckpointConfig.checkpoint_score_order must be 'max' or 'min', got {self.checkpoint_score_order!r}."
+            )
+        if self.checkpoint_score_attribute is not None and not isinstance(self.checkpoint_score_attribute, str):
+            raise ValueError(
+                "CheckpointConfig.checkpoint_score_attribute must be a metric name (str), "
+                f"got {self.checkpoint_score_attribute!r}."
+            )
+
+
+_RUN_NAME_FORBIDDEN = re.compile(r"[/\\]|^\.\.?$|\.\.")
+
+
+@dataclass
+class RunConfig:
+    """Where a run's results go and how it behaves.
+
+    Args:
+        name: The run's name: its folder under ``storage_path``. Default:
+            ``<TrainerClass>_<timestamp>``. Running again with the same name continues the run.
+        storage_path: A local or shared path, or a URI such as ``s3://bucket/prefix``.
+            Default ``~/lockstep_results``.
+        storage_filesystem: An fsspec filesystem to use with ``storage_path``.
+        failure_config: Restart policy, see :class:`FailureConfig`.
+        checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
+        callbacks: Objects notified of reports and of the run's end.
+        verbose: Accepted for Ray Train compatibility; lockstep logs through ``logging``.
+    """
+
+    name: str | None = None
+    storage_path: str | os.PathLike[str] | None = None
+    storage_filesystem: Any = None
+    failure_config: FailureConfig = field(default_factory=FailureConfig)
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    callbacks: list[Any] = field(default_factory=list)
+    verbose: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            if not isinstance(self.name, str) or not self.name or _RUN_NAME_FORBIDDEN.search(self.name):
+                raise ValueError(
+                    f"RunConfig.name={self.name!r} must be a plain folder name: non-empty, with no '/', "
+                    "'\\' or '..'. Put the parent folders in storage_path instead."
+                )
+        if self.storage_path is not None:
+            self.storage_path = os.fspath(self.storage_path)
+        if self.failure_config is None:
+            self.failure_config = FailureConfig()
+        if self.checkpoint_config is None:
+            self.checkpoint_config = CheckpointConfig()
+        if not isinstance(self.failure_config, FailureConfig):
+            raise ValueError(f"RunConfig.failure_config must be a FailureConfig, got {self.failure_config!r}.")
+        if not isinstance(self.checkpoint_config, CheckpointConfig):
+            raise ValueError(f"RunConfig.checkpoint_config must be a CheckpointConfig, got {self.checkpoint_config!r}.")
+        self.callbacks = list(self.callbacks or [])
+
+
+@dataclass
+class DataConfig:
+    """How ``datasets=`` are split across workers (accepted for compatibility).
+
+    Args:
+        datasets_to_split: ``"all"`` or the names of the datasets to shard; the others are
+            given whole to every worker.
+    """
+
+    datasets_to_split: Literal["all"] | list[str] = "all"
+
+    def should_split(self, name: str) -> bool:
+        """Whether dataset ``name`` is sharded across workers."""
+        return self.datasets_to_split == "all" or name in self.datasets_to_split
+
+
+TrainLoopFn = Callable[..., Any]
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "FailureConfig",
+    "RunConfig",
+    "ScalingConfig",
+]

@@ -1,0 +1,134 @@
+"""Result: what a run produced — its metrics history, checkpoints, return value or error."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from lockstep._internal.storage import RunStorage
+from lockstep.checkpoint import Checkpoint
+from lockstep.errors import TrainingFailedError, WorkerFailure
+
+if TYPE_CHECKING:
+    import pandas
+
+
+@dataclass
+class Result:
+    """The outcome of ``fit()``, or of a run read back with :meth:`Result.from_path`.
+
+    Attributes:
+        metrics: Rank 0's metrics from the last ``report()`` (None before the first report).
+        checkpoint: The latest committed checkpoint, or None.
+        error: The error that ended the run, or None.
+        path: The run folder (a URI for remote storage).
+        filesystem: The fsspec filesystem holding ``path``.
+        best_checkpoints: ``[(Checkpoint, metrics)]`` for every kept checkpoint, oldest first.
+        return_value: What rank 0's train function returned (only from ``fit()``).
+        metrics_history: Every report as a dict: ``report_index``, ``timestamp``,
+            ``checkpoint_dir_name`` and the metrics.
+    """
+
+    metrics: dict[str, Any] | None
+    checkpoint: Checkpoint | None
+    error: BaseException | None
+    path: str
+    filesystem: Any = None
+    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
+    return_value: Any = None
+    metrics_history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def metrics_dataframe(self) -> "pandas.DataFrame | None":
+        """One row per report: the metrics plus ``report_index``, ``timestamp`` and
+        ``checkpoint_dir_name``; None when nothing was reported."""
+        if not self.metrics_history:
+            return None
+        import pandas
+
+        return pandas.DataFrame(self.metrics_history)
+
+    def get_best_checkpoint(self, metric: str, mode: Literal["max", "min"]) -> Checkpoint | None:
+        """The kept checkpoint whose reported ``metric`` is highest (``"max"``) or lowest (``"min"``).
+
+        Raises:
+            ValueError: ``mode`` is not max/min, or no kept checkpoint reported ``metric``.
+        """
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
+        scored = [(metrics[metric], ckpt) for ckpt, metrics in self.best_checkpoints if metric in metrics]
+        if not scored:
+            if not self.best_checkpoints:
+                return None
+            raise ValueError(f"No checkpoint of this run reported the metric {metric!r}.")
+        pick = max if mode == "max" else min
+        return pick(scored, key=lambda pair: pair[0])[1]
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str], storage_filesystem: Any = None) -> "Result":
+        """Read a finished, failed or interrupted run back from its folder (local path or URI).
+
+        Raises:
+            FileNotFoundError: the folder holds no lockstep run record.
+        """
+        run = RunStorage(path, storage_filesystem)
+        record = run.read_record()
+        if record is None:
+            raise FileNotFoundError(
+                f"{run.display_path!r} holds no lockstep run (no lockstep_run.json): pass the run "
+                "folder, i.e. <storage_path>/<name>."
+            )
+        return result_from_record(run, record, run.read_reports())
+
+
+def result_from_record(
+    run: RunStorage, record: dict[str, Any], reports: list[dict[str, Any]], return_value: Any = None
+) -> Result:
+    """Build a Result from a run record and its report history."""
+    kept = [
+        (Checkpoint(run.checkpoint_path(entry["dir_name"]), run.filesystem), entry["metrics"])
+        for entry in record.get("checkpoints", [])
+    ]
+    latest = record.get("latest_checkpoint")
+    latest_checkpoint = Checkpoint(run.checkpoint_path(latest), run.filesystem) if latest else None
+    return Result(
+        metrics=dict(reports[-1]["metrics"]) if reports else None,
+        checkpoint=latest_checkpoint,
+        error=error_from_record(record.get("error")),
+        path=run.display_path,
+        filesystem=run.filesystem,
+        best_checkpoints=kept,
+        return_value=return_value,
+        metrics_history=[history_row(report) for report in reports],
+    )
+
+
+def history_row(report: dict[str, Any]) -> dict[str, Any]:
+    """A report as one metrics_dataframe row."""
+    return {
+        **report["metrics"],
+        "report_index": report["report_index"],
+        "timestamp": report["timestamp"],
+        "checkpoint_dir_name": report.get("checkpoint_dir_name"),
+    }
+
+
+def error_to_record(error: BaseException | None) -> dict[str, Any] | None:
+    """The error as the run record stores it."""
+    if error is None:
+        return None
+    failures = getattr(error, "failures", {}) or {}
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "failures": [vars(failure) for failure in failures.values()],
+    }
+
+
+def error_from_record(data: dict[str, Any] | None) -> TrainingFailedError | None:
+    """The error of a run record, as a TrainingFailedError."""
+    if not data:
+        return None
+    failures = {item["rank"]: WorkerFailure(**item) for item in data.get("failures", [])}
+    return TrainingFailedError(data["message"], failures)

@@ -1,0 +1,277 @@
+"""Helpers used inside the train function: devices, model wrapping, data loader sharding."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from lockstep import context as train_context
+
+logger = logging.getLogger(__name__)
+
+PARALLEL_STRATEGIES = ("ddp", "fsdp", None)
+
+
+# -- devices -------------------------------------------------------------------------------------
+
+
+def _assigned_gpu_ids() -> tuple[int, ...]:
+    session = train_context._session
+    return session.context.gpu_ids if session is not None else ()
+
+
+def get_devices() -> list[torch.device]:
+    """The devices of this worker: one ``cuda:i`` per GPU assigned to it, else ``[cpu]``.
+
+    ``i`` is the GPU's position in ``CUDA_VISIBLE_DEVICES``, so the mapping is right even when
+    several workers share a node's GPU list.
+    """
+    gpu_ids = _assigned_gpu_ids()
+    if not gpu_ids or not torch.cuda.is_available():
+        return [torch.device("cpu")]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible_ids = [item.strip() for item in visible.split(",") if item.strip()]
+    if not visible_ids:
+        return [torch.device("cuda", gpu_id) for gpu_id in gpu_ids]
+    return [torch.device("cuda", visible_ids.index(str(gpu_id))) for gpu_id in gpu_ids]
+
+
+def get_device() -> torch.device:
+    """This worker's device: its first GPU, or the CPU when it has none."""
+    return get_devices()[0]
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) from the session, else from torch.distributed, else (0, 1)."""
+    session = train_context._session
+    if session is not None:
+        return session.context.world_rank, session.context.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``batch`` with every tensor in it (inside tuples, lists, dicts, named tuples) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        return type(batch)({key: move_to_device(value, device, non_blocking) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_to_device(item, device, non_blocking) for item in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(item, device, non_blocking) for item in batch)
+    return batch
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    move_to_device: bool | torch.device = True,
+    parallel_strategy: str | None = "ddp",
+    parallel_strategy_kwargs: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """Put the model on this worker's device and wrap it for data-parallel training.
+
+    Args:
+        model: The model.
+        move_to_device: True for this worker's device, a ``torch.device`` for that one, False to
+            leave the model where it is.
+        parallel_strategy: ``"ddp"`` (DistributedDataParallel), ``"fsdp"``
+            (FullyShardedDataParallel) or None. Only applied when there is more than one worker.
+        parallel_strategy_kwargs: Extra arguments for the DDP/FSDP constructor.
+
+    Returns:
+        The model, wrapped when the world size is above 1.
+    """
+    if parallel_strategy not in PARALLEL_STRATEGIES:
+        raise ValueError(f"prepare_model: parallel_strategy={parallel_strategy!r}; choose 'ddp', 'fsdp' or None.")
+    device = move_to_device if isinstance(move_to_device, torch.device) else get_device()
+    if move_to_device is not False:
+        model = model.to(device)
+    _, world_size = _world()
+    if world_size <= 1 or parallel_strategy is None:
+        return model
+    kwargs = dict(parallel_strategy_kwargs or {})
+    if parallel_strategy == "ddp":
+        if device.type == "cuda":
+            kwargs.setdefault("device_ids", [device])
+            kwargs.setdefault("output_device", device)
+        return DistributedDataParallel(model, **kwargs)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if device.type == "cuda":
+        kwargs.setdefault("device_id", device)
+    return FullyShardedDataParallel(model, **kwargs)
+
+
+# -- data loader ---------------------------------------------------------------------------------
+
+
+def prepare_data_loader(
+    data_loader: DataLoader,
+    add_dist_sampler: bool = True,
+    move_to_device: bool = True,
+    auto_transfer: bool = True,
+) -> DataLoader | "DeviceDataLoader":
+    """Shard a DataLoader across workers and move its batches to this worker's device.
+
+    A ``DistributedSampler`` is added only when there is more than one worker, the loader has
+    no distributed sampler yet and its dataset is not an ``IterableDataset``. Shuffling is kept
+    (a ``SequentialSampler`` stays in order, anything else shuffles) and so is every other
+    setting of the loader. Call ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle.
+
+    Args:
+        data_loader: The loader, with the per-worker batch size.
+        add_dist_sampler: Whether to shard it.
+        move_to_device: Move each batch to :func:`get_device` (a no-op on CPU).
+        auto_transfer: On CUDA, copy the next batch on a side stream while the current one trains.
+    """
+    rank, world_size = _world()
+    if add_dist_sampler and world_size > 1 and _needs_sampler(data_loader):
+        data_loader = _with_distributed_sampler(data_loader, rank, world_size)
+    device = get_device()
+    if move_to_device and device.type != "cpu":
+        return DeviceDataLoader(data_loader, device, auto_transfer=auto_transfer)
+    return data_loader
+
+
+def _needs_sampler(loader: DataLoader) -> bool:
+    if isinstance(loader.dataset, IterableDataset):
+        return False
+    samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(isinstance(sampler, DistributedSampler) for sampler in samplers):
+        return False
+    if loader.batch_size is None:
+        logger.warning(
+            "prepare_data_loader: the loader has a custom batch_sampler (%s); it is left as it is, "
+            "so each worker sees all of it. Shard it yourself or pass batch_size= instead.",
+            type(loader.batch_sampler).__name__,
+        )
+        return False
+    return True
+
+
+def _with_distributed_sampler(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        logger.warning(
+            "prepare_data_loader: replacing the loader's %s with a shuffling DistributedSampler; "
+            "pass add_dist_sampler=False to keep it.", type(loader.sampler).__name__,
+        )
+    shuffle = not isinstance(loader.sampler, SequentialSampler)
+    sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle)
+    return DataLoader(loader.dataset, sampler=sampler, **_loader_settings(loader))
+
+
+def _loader_settings(loader: DataLoader) -> dict[str, Any]:
+    """Every setting of ``loader`` except its dataset and sampler."""
+    settings: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        settings["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        settings["in_order"] = loader.in_order
+    return settings
+
+
+class DeviceDataLoader:
+    """A DataLoader whose batches arrive on ``device``; other attributes pass through
+    (``len``, ``.sampler``, ``.dataset``, ``.batch_size`` …)."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, auto_transfer: bool = True) -> None:
+        self._loader = loader
+        self._device = device
+        self._prefetch = auto_transfer and device.type == "cuda"
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._prefetch:
+            return self._iter_prefetching()
+        return (move_to_device(batch, self._device) for batch in self._loader)
+
+    def _iter_prefetching(self) -> Iterator[Any]:
+        """Copy batch n+1 on a side stream while the caller works on batch n."""
+        side_stream = torch.cuda.Stream(self._device)
+        main_stream = torch.cuda.current_stream(self._device)
+
+        def start_copy(batch: Any) -> tuple[Any, torch.cuda.Event]:
+            with torch.cuda.stream(side_stream):
+                moved = move_to_device(batch, self._device, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side_stream)
+            return moved, copied
+
+        pending = None
+        for batch in self._loader:
+            ready, pending = pending, start_copy(batch)
+            if ready is not None:
+                yield _handed_to(*ready, main_stream)
+        if pending is not None:
+            yield _handed_to(*pending, main_stream)
+
+
+def _handed_to(batch: Any, copied: torch.cuda.Event, main_stream: torch.cuda.Stream) -> Any:
+    """Make ``main_stream`` wait for the copy of ``batch`` (only that copy, not the next one),
+    and tell the allocator its tensors are used there."""
+    main_stream.wait_event(copied)
+    for tensor in _tensors(batch):
+        tensor.record_stream(main_stream)
+    return batch
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from _tensors(item)
+
+
+# -- reproducibility -----------------------------------------------------------------------------
+
+
+def enable_reproducibility(seed: int = 0) -> None:
+    """Seed torch, random and numpy, and make torch choose deterministic algorithms.
+
+    Deterministic algorithms can be slower; some operations raise when they have none.
+    """
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"

@@ -1,0 +1,144 @@
+"""DataParallelTrainer: checks the user's job, then hands it to the controller and an executor."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from lockstep._internal.controller import Controller
+from lockstep._internal.executors import make_group_factory
+from lockstep._internal.payload import WorkerPayload, serialize_payload
+from lockstep._internal.run_record import RunRecorder
+from lockstep._internal.storage import RunStorage
+from lockstep.backend import BackendConfig
+from lockstep.checkpoint import Checkpoint
+from lockstep.config import DEFAULT_STORAGE_PATH, DataConfig, RunConfig, ScalingConfig
+from lockstep.result import Result
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelTrainer:
+    """Runs ``train_loop_per_worker`` on ``scaling_config.num_workers`` workers.
+
+    Args:
+        train_loop_per_worker: The train function: no argument, or one (the config dict).
+        train_loop_config: The dict passed to the train function.
+        backend_config: Worker set-up around the train function (e.g. TorchConfig).
+        scaling_config: Number of workers and their resources.
+        run_config: Name, storage, failure and checkpoint policies.
+        datasets: Named map-style datasets, split into one shard per worker
+            (see :func:`lockstep.get_dataset_shard`).
+        dataset_config: Which datasets to split.
+        metadata: A JSON-serializable dict every worker sees in ``get_context().get_metadata()``.
+        resume_from_checkpoint: A checkpoint ``get_checkpoint()`` returns at the start, unless
+            the run already has a newer one of its own.
+    """
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: dict[str, Any] | None = None,
+        backend_config: BackendConfig | None = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
+        datasets: dict[str, Any] | None = None,
+        dataset_config: DataConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+    ) -> None:
+        _check_train_fn(train_loop_per_worker)
+        _check_type("train_loop_config", train_loop_config, Mapping, "a dict")
+        _check_type("scaling_config", scaling_config, ScalingConfig, "a ScalingConfig")
+        _check_type("run_config", run_config, RunConfig, "a RunConfig")
+        _check_type("datasets", datasets, Mapping, "a dict of name -> dataset")
+        _check_type("dataset_config", dataset_config, DataConfig, "a DataConfig")
+        _check_type("metadata", metadata, Mapping, "a dict")
+        _check_type("resume_from_checkpoint", resume_from_checkpoint, Checkpoint, "a lockstep.Checkpoint")
+        self.train_loop_per_worker = train_loop_per_worker
+        self.train_loop_config = dict(train_loop_config) if train_loop_config is not None else None
+        self.backend_config = backend_config or BackendConfig()
+        self.scaling_config = scaling_config or ScalingConfig()
+        self.run_config = run_config or RunConfig()
+        self.datasets = dict(datasets or {})
+        self.dataset_config = dataset_config or DataConfig()
+        self.metadata = dict(metadata or {})
+        self.resume_from_checkpoint = resume_from_checkpoint
+
+    def fit(self) -> Result:
+        """Run the train function on every worker and wait for the run to end.
+
+        Returns:
+            The run's :class:`Result`.
+
+        Raises:
+            TrainingFailedError: a worker failed (more often than ``max_failures`` allows).
+            ValueError, TypeError: the job can't start (bad input, unpicklable objects); raised
+                before any worker starts.
+        """
+        scaling = self.scaling_config
+        make_group = make_group_factory(scaling)
+        name = self.run_config.name or f"{type(self).__name__}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+        storage = RunStorage.for_run(
+            self.run_config.storage_path or DEFAULT_STORAGE_PATH, name, self.run_config.storage_filesystem
+        )
+        recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers)
+        build_payload = self._payload_builder(storage)
+        start_checkpoint = recorder.latest_checkpoint or self.resume_from_checkpoint
+        first_payload = build_payload(recorder.next_report_index, start_checkpoint)
+        recorder.open()
+        logger.info("Run %s: %d workers, results in %s", name, scaling.num_workers, storage.display_path)
+        controller = Controller(
+            make_group, build_payload, recorder, scaling.num_workers,
+            self.run_config.failure_config.max_failures, self.resume_from_checkpoint,
+        )
+        return controller.run(first_payload)
+
+    def _payload_builder(self, storage: RunStorage) -> Callable[[int, Checkpoint | None], bytes]:
+        def build(first_report_index: int, checkpoint: Checkpoint | None) -> bytes:
+            return serialize_payload(
+                WorkerPayload(
+                    train_fn=self.train_loop_per_worker,
+                    train_loop_config=self.train_loop_config,
+                    backend_config=self.backend_config,
+                    use_gpu=self.scaling_config.use_gpu,
+                    storage=storage,
+                    experiment_name=storage.name,
+                    first_report_index=first_report_index,
+                    checkpoint=checkpoint,
+                    datasets=self.datasets,
+                    dataset_config=self.dataset_config,
+                    metadata=self.metadata,
+                )
+            )
+
+        return build
+
+
+def _check_train_fn(train_fn: Any) -> None:
+    if not callable(train_fn):
+        raise TypeError(f"train_loop_per_worker must be a function, got {type(train_fn).__name__}.")
+    try:
+        parameters = inspect.signature(train_fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    required = [
+        parameter.name for parameter in parameters
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(required) > 1:
+        raise ValueError(
+            f"train_loop_per_worker {getattr(train_fn, '__name__', train_fn)!r} requires {len(required)} arguments "
+            f"({', '.join(required)}); it must take none, or one: the train_loop_config dict."
+        )
+
+
+def _check_type(name: str, value: Any, expected: type, description: str) -> None:
+    if value is not None and not isinstance(value, expected):
+        raise ValueError(f"{name} must be {description}, got {type(value).__name__}.")
+
