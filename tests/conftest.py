@@ -1,0 +1,58 @@
+"""Shared fixtures: a results folder per test, and a check that no worker outlives its test."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+TEST_TAG = f"LOCKSTEP_TEST_TAG={uuid.uuid4().hex}"
+os.environ["LOCKSTEP_TEST_TAG"] = TEST_TAG.split("=", 1)[1]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("LOCKSTEP_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+def tagged_processes() -> list[int]:
+    """Processes other than this one that inherited this test session's tag (workers,
+    drivers started by tests, their children)."""
+    found = []
+    needle = TEST_TAG.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> None:
+    """Fail a test that leaves any process it started running. Killed processes take a moment
+    to disappear, so this waits for them, up to a bound."""
+    yield
+    deadline = time.monotonic() + 10
+    while (left := tagged_processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture
+def storage_path(tmp_path: Path) -> str:
+    """A fresh storage_path for one test."""
+    return str(tmp_path / "results")
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared Fashion-MNIST folder (torchvision layout)."""
+    if not (DATA_DIR / "FashionMNIST" / "raw").is_dir():
+        pytest.skip(f"Fashion-MNIST not found in {DATA_DIR}; set LOCKSTEP_DATA")
+    return DATA_DIR

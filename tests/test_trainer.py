@@ -1,0 +1,250 @@
+"""Real multi-process runs on CPU with gloo: ranks, reports, checkpoints, failures."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lockstep
+from lockstep import Checkpoint, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError, session
+from lockstep.torch import TorchTrainer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _gather(value: object) -> list[object]:
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def report_identity(config: dict) -> dict:
+    context = lockstep.get_context()
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"]
+    mine = {
+        "env": {name: os.environ[name] for name in names},
+        "context": [context.get_world_rank(), context.get_local_rank(), context.get_world_size(),
+                    context.get_local_world_size(), context.get_node_rank()],
+        "session": [session.get_world_rank(), session.get_world_size(), session.get_local_rank()],
+        "name": context.get_experiment_name(),
+        "metadata": context.get_metadata(),
+        "threads": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+        "config": config,
+        "device": str(lockstep.torch.get_device()),
+    }
+    return {"ranks": _gather(mine)}
+
+
+def test_ranks_env_context_config_and_return_value(storage_path: str) -> None:
+    config = {"lr": 0.1, "nested": {"layers": [1, 2]}}
+    result = TorchTrainer(
+        report_identity,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="identity", storage_path=storage_path),
+        metadata={"owner": "tests"},
+    ).fit()
+    ranks = result.return_value["ranks"]
+    ports = {rank["env"]["MASTER_PORT"] for rank in ranks}
+    assert len(ports) == 1
+    for rank, seen in enumerate(ranks):
+        assert seen["env"]["RANK"] == seen["env"]["LOCAL_RANK"] == str(rank)
+        assert seen["env"]["WORLD_SIZE"] == seen["env"]["LOCAL_WORLD_SIZE"] == "2"
+        assert seen["env"]["NODE_RANK"] == "0" and seen["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert seen["context"] == [rank, rank, 2, 2, 0]
+        assert seen["session"] == [rank, 2, rank]
+        assert seen["name"] == "identity"
+        assert seen["metadata"] == {"owner": "tests"}
+        assert seen["threads"] == 1
+        assert seen["backend"] == "gloo"
+        assert seen["config"] == config
+        assert seen["device"] == "cpu"
+    assert result.path == str(Path(storage_path) / "identity")
+    assert result.metrics is None and result.checkpoint is None
+
+
+def report_three_times_with_checkpoints() -> None:
+    rank = lockstep.get_context().get_world_rank()
+    for step in range(3):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, f"rank{rank}.txt").write_text(f"step {step}")
+            checkpoint = Checkpoint.from_directory(folder) if step != 1 else None
+            lockstep.report({"step": step, "rank": rank, "loss": torch.tensor(1.0 / (step + 1))},
+                            checkpoint=checkpoint)
+        latest = lockstep.get_checkpoint()
+        assert latest is not None and Path(latest.path, f"rank{rank}.txt").read_text() == f"step {0 if step == 1 else step}"
+
+
+def test_every_report_recorded_and_checkpoints_merged(storage_path: str) -> None:
+    result = TorchTrainer(
+        report_three_times_with_checkpoints,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="reports", storage_path=storage_path),
+    ).fit()
+    assert result.metrics == {"step": 2, "rank": 0, "loss": pytest.approx(1 / 3)}
+    frame = result.metrics_dataframe
+    assert list(frame["report_index"]) == [0, 1, 2]
+    assert list(frame["rank"]) == [0, 0, 0]
+    assert frame["timestamp"].is_monotonic_increasing
+    assert sorted(os.listdir(result.checkpoint.path)) == ["rank0.txt", "rank1.txt"]
+    assert Path(result.checkpoint.path, "rank1.txt").read_text() == "step 2"
+    assert [metrics["step"] for _, metrics in result.best_checkpoints] == [0, 2]
+    assert not any(Path(storage_path, "reports", ".staging").iterdir())
+
+    again = Result.from_path(result.path)
+    assert again.metrics == result.metrics
+    assert again.checkpoint == result.checkpoint
+    assert list(again.metrics_dataframe["step"]) == [0, 1, 2]
+
+
+def fail_on_rank_one() -> None:
+    lockstep.report({"ok": 1})
+    if lockstep.get_context().get_world_rank() == 1:
+        raise ValueError("bad batch on purpose")
+    lockstep.report({"ok": 2})
+
+
+def test_failure_names_rank_and_carries_traceback(storage_path: str) -> None:
+    trainer = TorchTrainer(
+        fail_on_rank_one,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="fails", storage_path=storage_path),
+    )
+    with pytest.raises(TrainingFailedError) as caught:
+        trainer.fit()
+    error = caught.value
+    assert "rank 1" in str(error)
+    assert "ValueError: bad batch on purpose" in str(error)
+    assert "in fail_on_rank_one" in str(error)
+    assert list(error.failures) == [1]
+    assert "Traceback" in error.failures[1].traceback
+    recorded = Result.from_path(Path(storage_path, "fails"))
+    assert recorded.metrics == {"ok": 1}
+    assert "bad batch on purpose" in str(recorded.error)
+
+
+def return_early_on_rank_zero() -> None:
+    if lockstep.get_context().get_world_rank() == 0:
+        return
+    lockstep.report({"never": "committed"})
+
+
+def test_rank_that_skips_report_fails_the_run_at_once(storage_path: str) -> None:
+    trainer = TorchTrainer(
+        return_early_on_rank_zero,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="skip", storage_path=storage_path),
+    )
+    with pytest.raises(TrainingFailedError, match=r"rank\(s\) 1 wait in report #0"):
+        trainer.fit()
+
+
+def resume_and_fail_once(config: dict) -> int:
+    checkpoint = lockstep.get_checkpoint()
+    start = 0
+    if checkpoint is not None:
+        start = int(Path(checkpoint.path, "step.txt").read_text()) + 1
+    for step in range(start, 3):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step.txt").write_text(str(step))
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder))
+        marker = Path(config["marker"])
+        if step == 1 and not marker.exists():
+            marker.write_text("crashed once")
+            os._exit(3)
+    return start
+
+
+def test_failure_restarts_from_latest_checkpoint(storage_path: str, tmp_path: Path) -> None:
+    result = TorchTrainer(
+        resume_and_fail_once,
+        train_loop_config={"marker": str(tmp_path / "marker")},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="restart", storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
+    ).fit()
+    assert result.return_value == 2
+    assert list(result.metrics_dataframe["step"]) == [0, 1, 2]
+    assert list(result.metrics_dataframe["report_index"]) == [0, 1, 2]
+
+
+def test_resume_from_checkpoint_is_visible_on_every_rank(storage_path: str, tmp_path: Path) -> None:
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "step.txt").write_text("1")
+    result = TorchTrainer(
+        resume_and_fail_once,
+        train_loop_config={"marker": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="resumed", storage_path=storage_path),
+        resume_from_checkpoint=Checkpoint.from_directory(start),
+    ).fit()
+    assert result.return_value == 2
+    assert list(result.metrics_dataframe["step"]) == [2]
+
+
+def read_shards() -> dict:
+    shard = lockstep.get_dataset_shard("train")
+    items = [int(item) for item in shard]
+    batches = [batch.tolist() for batch in shard.iter_torch_batches(batch_size=4)]
+    return {"shards": _gather(items), "batches": _gather(batches)}
+
+
+def test_datasets_are_split_into_equal_disjoint_shards(storage_path: str) -> None:
+    result = TorchTrainer(
+        read_shards,
+        datasets={"train": list(range(11))},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="shards", storage_path=storage_path),
+    ).fit()
+    first, second = result.return_value["shards"]
+    assert len(first) == len(second) == 5
+    assert not set(first) & set(second)
+    assert result.return_value["batches"][0] == [[0, 1, 2, 3], [4]]
+
+
+def test_worker_only_functions_refuse_outside_a_run() -> None:
+    with pytest.raises(RuntimeError, match="inside the train function"):
+        lockstep.report({"x": 1})
+    with pytest.raises(RuntimeError, match="inside the train function"):
+        lockstep.get_context()
+    with pytest.raises(RuntimeError, match="inside the train function"):
+        session.get_world_size()
+
+
+def takes_two(a: int, b: int) -> None:
+    return None
+
+
+def test_bad_input_is_refused_before_any_worker_starts(storage_path: str) -> None:
+    import threading
+
+    with pytest.raises(ValueError, match="requires 2 arguments"):
+        TorchTrainer(takes_two)
+    with pytest.raises(ValueError, match="train_loop_config must be a dict"):
+        TorchTrainer(report_identity, train_loop_config=[1, 2])  # type: ignore[arg-type]
+    lock = threading.Lock()
+    trainer = TorchTrainer(
+        report_identity, train_loop_config={"lock": lock},
+        run_config=RunConfig(name="unpicklable", storage_path=storage_path),
+    )
+    with pytest.raises(TypeError, match=r"train_loop_config\['lock'\] can't be sent to the workers"):
+        trainer.fit()
+    assert not Path(storage_path, "unpicklable").exists()
+    with pytest.raises(ValueError, match="Custom resources are for Ray clusters"):
+        TorchTrainer(report_identity, scaling_config=ScalingConfig(
+            num_workers=1, resources_per_worker={"CPU": 1, "custom": 1.0})).fit()
+
+
+def report_bad_metrics() -> None:
+    lockstep.report({"model": object()})
+
+
+def test_unserializable_metric_names_the_key(storage_path: str) -> None:
+    with pytest.raises(TrainingFailedError, match="metric 'model' is a object"):
+        TorchTrainer(report_bad_metrics, run_config=RunConfig(storage_path=storage_path)).fit()
