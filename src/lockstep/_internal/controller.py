@@ -142,7 +142,7 @@ class Controller:
     def _on_hello(self, hello: protocol.Hello, attempt: Attempt) -> None:
         attempt.connected.add(hello.rank)
         if len(attempt.connected) == self.world_size:
-            logger.info("%d workers up in %.2f s.", self.world_size, time.monotonic() - attempt.started_at)
+            logger.debug("%d worker processes connected in %.2f s.", self.world_size, time.monotonic() - attempt.started_at)
 
     def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
         attempt.reports_made[report.rank] = report.index + 1
