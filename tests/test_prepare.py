@@ -132,6 +132,8 @@ def test_single_process_helpers_leave_things_alone() -> None:
     assert isinstance(loader.sampler, SequentialSampler)
     with pytest.raises(ValueError, match="parallel_strategy"):
         prepare_model(model, parallel_strategy="zero3")
+    with pytest.raises(ValueError, match="fsdp' needs GPUs"):
+        prepare_model(model, parallel_strategy="fsdp")
     assert lockstep.torch.get_devices() == [torch.device("cpu")]
 
 

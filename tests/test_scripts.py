@@ -32,3 +32,47 @@ def test_script_without_main_guard_runs_once(tmp_path: Path) -> None:
     metrics = json.loads(completed.stdout.split("RESULT ", 1)[1])
     assert metrics["epoch"] == 1 and metrics["world"] == 2
     assert len(runs_file.read_text().splitlines()) == 1, "the script body ran again in a worker"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example, expected", [
+    ("fashion_mnist_mlp.py", "Last result: {'epoch': 0"),
+    ("fashion_mnist_resnet18.py", "Test accuracy: "),
+])
+def test_example_on_a_subset(example: str, expected: str, tmp_path: Path, data_dir: Path) -> None:
+    plot = tmp_path / "curves.png"
+    completed = run_script(
+        [str(REPO_ROOT / "examples" / example), "--smoke-test", "--epochs", "1", "--num-workers", "2",
+         "--data-dir", str(data_dir), "--storage-path", str(tmp_path / "results"), "--name", "example",
+         "--plot", str(plot)],
+        230,
+    )
+    assert expected in completed.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((tmp_path / "results" / "example" / "lockstep_run.json").read_text())
+    assert record["status"] == "finished" and record["num_reports"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_workers_die_with_a_killed_driver(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from conftest import tagged_processes
+
+    reports = tmp_path / "results" / "forever" / "reports.jsonl"
+    driver = subprocess.Popen([sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")])
+    try:
+        deadline = time.monotonic() + 90
+        while not (reports.exists() and reports.read_text().endswith("\n")):
+            assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
+            time.sleep(0.05)
+        assert len(tagged_processes()) >= 3  # the driver and its two workers
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while tagged_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tagged_processes() == [], "workers outlived their driver"

@@ -248,3 +248,41 @@ def report_bad_metrics() -> None:
 def test_unserializable_metric_names_the_key(storage_path: str) -> None:
     with pytest.raises(TrainingFailedError, match="metric 'model' is a object"):
         TorchTrainer(report_bad_metrics, run_config=RunConfig(storage_path=storage_path)).fit()
+
+
+def seeded_values() -> dict:
+    import random
+
+    import numpy
+
+    lockstep.torch.enable_reproducibility(5)
+    return {
+        "torch": torch.rand(3).tolist(), "random": random.random(), "numpy": float(numpy.random.rand()),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+
+
+def test_enable_reproducibility_seeds_everything(storage_path: str) -> None:
+    import random
+
+    import numpy
+
+    result = TorchTrainer(
+        seeded_values, run_config=RunConfig(storage_path=storage_path),
+        torch_config=lockstep.torch.TorchConfig(init_method="tcp"),
+    ).fit()
+    torch.manual_seed(5)
+    random.seed(5)
+    numpy.random.seed(5)
+    assert result.return_value == {
+        "torch": torch.rand(3).tolist(), "random": random.random(), "numpy": float(numpy.random.rand()),
+        "deterministic": True, "cublas": ":4096:8",
+    }
+
+
+def test_more_gpus_than_the_machine_has_is_refused(storage_path: str) -> None:
+    gpus = torch.cuda.device_count()
+    trainer = TorchTrainer(report_identity, scaling_config=ScalingConfig(num_workers=gpus + 1, use_gpu=True))
+    with pytest.raises(ValueError, match=rf"needs {gpus + 1} GPUs; this machine has {gpus}"):
+        trainer.fit()

@@ -97,6 +97,11 @@ def prepare_model(
     if parallel_strategy not in PARALLEL_STRATEGIES:
         raise ValueError(f"prepare_model: parallel_strategy={parallel_strategy!r}; choose 'ddp', 'fsdp' or None.")
     device = move_to_device if isinstance(move_to_device, torch.device) else get_device()
+    if parallel_strategy == "fsdp" and device.type == "cpu":
+        raise ValueError(
+            "prepare_model: parallel_strategy='fsdp' needs GPUs (torch's FSDP has no CPU mode); "
+            "use ScalingConfig(use_gpu=True), or parallel_strategy='ddp' on CPU."
+        )
     if move_to_device is not False:
         model = model.to(device)
     _, world_size = _world()
