@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	LOCKSTEP_DATA=$(DATA) $(PY) examples/fashion_mnist_mlp.py --num-workers 2 --epochs 2 --plot fashion_mnist_mlp.png
+	LOCKSTEP_DATA=$(DATA) $(PY) examples/fashion_mnist_mlp.py --num-workers 2 --epochs 2 --lr 0.01 --momentum 0.9 --plot fashion_mnist_mlp.png
 
 test: install
 	LOCKSTEP_DATA=$(DATA) $(PY) -m pytest
