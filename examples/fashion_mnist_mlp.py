@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Last result: {result.metrics}")
     print(f"Run folder: {result.path}")
     if args.plot:
-        plot_metrics(result.metrics_dataframe, ["train_loss", "loss", "accuracy"], args.plot,
+        plot_metrics(result.metrics_dataframe,
+                     {"train_loss": "training loss", "loss": "validation loss", "accuracy": "validation accuracy"},
+                     args.plot,
                      f"Fashion-MNIST MLP, {args.num_workers} workers")
         print(f"Plot: {os.path.abspath(args.plot)}")
 
