@@ -59,40 +59,75 @@ def test_retention_by_score_never_deletes_the_latest() -> None:
     assert [entry.report_index for entry in doomed_min] == [0, 1, 2]
 
 
-def test_recorder_commits_in_order_and_result_reads_back(tmp_path: Path) -> None:
+def test_recorder_commits_and_result_reads_back(tmp_path: Path) -> None:
     storage = RunStorage.for_run(str(tmp_path), "run")
     recorder = RunRecorder(storage, CheckpointConfig(num_to_keep=1), world_size=2)
     recorder.open()
-    staged = Path(storage.staging_path("checkpoint_000001"))
-    staged.mkdir(parents=True)
-    (staged / "rank0.bin").write_bytes(b"0")
-    recorder.commit_report(0, json.dumps({"loss": 2.0}), None)
-    path = recorder.commit_report(1, json.dumps({"loss": 1.0}), "checkpoint_000001")
-    assert path == str(tmp_path / "run" / "checkpoint_000001")
-    assert not staged.exists()
+    for index in (1, 2):
+        folder = Path(storage.checkpoint_path(f"checkpoint_00000{index}"))
+        folder.mkdir(parents=True)
+        (folder / "rank0.bin").write_bytes(b"0")
+    recorder.log_report(0, json.dumps({"loss": 2.0}), None)
+    recorder.log_report(1, json.dumps({"loss": 1.0}), "checkpoint_000001")
+    recorder.commit_checkpoint("checkpoint_000001", 1, {"loss": 1.0})
+    recorder.log_report(2, json.dumps({"loss": 0.5}), "checkpoint_000002")
+    recorder.commit_checkpoint("checkpoint_000002", 2, {"loss": 0.5})
+    assert not (tmp_path / "run" / "checkpoint_000001").exists(), "num_to_keep=1 keeps only the latest"
     recorder.finish("finished")
 
     result = Result.from_path(tmp_path / "run")
-    assert result.metrics == {"loss": 1.0}
+    assert result.metrics == {"loss": 0.5}
     assert result.checkpoint is not None and os.listdir(result.checkpoint.path) == ["rank0.bin"]
     frame = result.metrics_dataframe
-    assert list(frame["report_index"]) == [0, 1]
-    assert list(frame["loss"]) == [2.0, 1.0]
-    assert frame["checkpoint_dir_name"].isna().tolist() == [True, False]
-    assert frame["checkpoint_dir_name"].iloc[1] == "checkpoint_000001"
+    assert list(frame["report_index"]) == [0, 1, 2]
+    assert list(frame["loss"]) == [2.0, 1.0, 0.5]
+    assert frame["checkpoint_dir_name"].isna().tolist() == [True, False, False]
+    assert [metrics for _, metrics in result.best_checkpoints] == [{"loss": 0.5}]
     assert result.error is None
+
+
+def test_unfinished_checkpoint_is_ignored_then_cleaned(tmp_path: Path) -> None:
+    storage = RunStorage.for_run(str(tmp_path), "run")
+    first = RunRecorder(storage, CheckpointConfig(), world_size=1)
+    first.open()
+    Path(storage.checkpoint_path("checkpoint_000000")).mkdir()
+    first.log_report(0, "{}", "checkpoint_000000")
+    first.commit_checkpoint("checkpoint_000000", 0, {})
+    half_written = Path(storage.checkpoint_path("checkpoint_000001"))
+    half_written.mkdir()
+    (half_written / "model.pt").write_bytes(b"trunc")
+    user_folder = Path(storage.path_of("tensorboard"))
+    user_folder.mkdir()
+    assert Result.from_path(tmp_path / "run").checkpoint.path.endswith("checkpoint_000000")
+
+    second = RunRecorder(storage, CheckpointConfig(), world_size=1)
+    second.open()
+    assert not half_written.exists() and user_folder.exists()
+    assert second.latest_checkpoint.path.endswith("checkpoint_000000")
+
+
+def test_missing_latest_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    storage = RunStorage.for_run(str(tmp_path), "run")
+    recorder = RunRecorder(storage, CheckpointConfig(), world_size=1)
+    recorder.open()
+    Path(storage.checkpoint_path("checkpoint_000000")).mkdir()
+    recorder.log_report(0, "{}", "checkpoint_000000")
+    recorder.commit_checkpoint("checkpoint_000000", 0, {})
+    Path(storage.checkpoint_path("checkpoint_000000")).rmdir()
+    with pytest.raises(FileNotFoundError, match="checkpoint_000000 is missing. Restore that folder"):
+        RunRecorder(storage, CheckpointConfig(), world_size=1).check_resumable()
 
 
 def test_resume_continues_report_index(tmp_path: Path) -> None:
     storage = RunStorage.for_run(str(tmp_path), "run")
     first = RunRecorder(storage, CheckpointConfig(), world_size=1)
     first.open()
-    first.commit_report(0, "{}", None)
+    first.log_report(0, "{}", None)
     first.finish("failed")
     second = RunRecorder(storage, CheckpointConfig(), world_size=1)
     assert second.next_report_index == 1
     second.open()
-    second.commit_report(1, json.dumps({"x": 1}), None)
+    second.log_report(1, json.dumps({"x": 1}), None)
     second.finish("finished")
     assert [row["report_index"] for row in Result.from_path(tmp_path / "run").metrics_history] == [0, 1]
 

@@ -57,6 +57,11 @@ class Checkpoint:
         return cls(path)
 
     @property
+    def uri(self) -> str:
+        """The folder as a path (local) or a URI such as ``s3://…`` (remote)."""
+        return self.path if self.is_local else self.filesystem.unstrip_protocol(self.path)
+
+    @property
     def is_local(self) -> bool:
         """Whether the files are on this machine's disk."""
         return storage.is_local(self.filesystem)
@@ -108,8 +113,7 @@ class Checkpoint:
         self.set_metadata({**self.get_metadata(), **metadata})
 
     def __repr__(self) -> str:
-        location = self.path if self.is_local else self.filesystem.unstrip_protocol(self.path)
-        return f"Checkpoint(path={location!r})"
+        return f"Checkpoint(path={self.uri!r})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Checkpoint):

@@ -7,22 +7,32 @@ These functions work only inside a train function that lockstep runs; elsewhere 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
-from collections.abc import Mapping
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
 from lockstep._internal import protocol
 from lockstep._internal.storage import RunStorage
 from lockstep.checkpoint import Checkpoint
-from lockstep.errors import SessionNotActiveError, TrainingFailedError
+from lockstep.errors import SessionNotActiveError
 
 
 class CheckpointUploadMode(enum.Enum):
-    """How ``report()`` persists a checkpoint. lockstep currently always does SYNC: the
-    checkpoint is in storage when ``report()`` returns."""
+    """How ``report()`` persists a checkpoint.
+
+    SYNC: the files are in storage when ``report()`` returns. ASYNC: ``report()`` returns once
+    they are staged locally; they are uploaded in the background, in order, and the checkpoint
+    counts (``Result.checkpoint``, ``get_checkpoint()``) once every rank's upload is done.
+    NO_UPLOAD: the checkpoint is already where it should stay; it is registered at its path.
+    """
 
     SYNC = "SYNC"
     ASYNC = "ASYNC"
@@ -86,42 +96,93 @@ class WorkerSession:
     def __init__(
         self,
         context: TrainContext,
-        connection: Connection,
+        channel: protocol.WorkerChannel,
         first_report_index: int,
         checkpoint: Checkpoint | None,
         datasets: Mapping[str, Any],
+        used_dir_names: Iterable[str] = (),
     ) -> None:
         self.context = context
-        self._connection = connection
+        self._channel = channel
         self._next_report_index = first_report_index
         self._checkpoint = checkpoint
         self._datasets = dict(datasets)
+        self._used_dir_names = set(used_dir_names)
+        self._storage_checked = False
+        self._uploader: CheckpointUploader | None = None
 
-    def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None, checkpoint_dir_name: str | None) -> None:
-        """Send one report and wait until every rank has sent it and it is persisted."""
+    def report(
+        self,
+        metrics: Mapping[str, Any],
+        checkpoint: Checkpoint | None,
+        checkpoint_dir_name: str | None,
+        upload_mode: CheckpointUploadMode,
+    ) -> None:
+        """Send one report and wait until every rank has sent it and it is recorded."""
         metrics_json = encode_metrics(metrics)
         index = self._next_report_index
-        dir_name = None
+        message = protocol.Report(self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None)
         if checkpoint is not None:
-            dir_name = _checked_dir_name(checkpoint_dir_name, index)
-            self._stage(checkpoint, dir_name)
-        sent = metrics_json if self.context.world_rank == 0 else None
-        self._connection.send(protocol.Report(self.context.world_rank, index, sent, dir_name))
-        done = self._connection.recv()
-        if done.error:
-            raise TrainingFailedError(f"rank {self.context.world_rank}: report #{index} failed: {done.error}")
+            dir_name = self._new_dir_name(checkpoint_dir_name, index)
+            state, external = self._persist(checkpoint, dir_name, index, upload_mode)
+            message = dataclasses.replace(
+                message, checkpoint_dir_name=dir_name, checkpoint_state=state, external_path=external
+            )
+        self._channel.send(message)
+        done = self._channel.recv()
         self._next_report_index = index + 1
-        if done.checkpoint_path is not None:
-            self._checkpoint = Checkpoint(done.checkpoint_path, self.context.storage.filesystem)
+        if done.latest_checkpoint is not None:
+            self._checkpoint = Checkpoint(done.latest_checkpoint, self.context.storage.filesystem)
 
-    def _stage(self, checkpoint: Checkpoint, dir_name: str) -> None:
+    def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
+        name = _checked_dir_name(checkpoint_dir_name, index)
+        if name in self._used_dir_names:
+            raise ValueError(
+                f"report(checkpoint_dir_name={name!r}): this run already has a checkpoint of that name; "
+                "give each report's checkpoint its own name (e.g. include the epoch), or leave it out."
+            )
+        self._used_dir_names.add(name)
+        return name
+
+    def _persist(
+        self, checkpoint: Checkpoint, dir_name: str, index: int, upload_mode: CheckpointUploadMode
+    ) -> tuple[str, str | None]:
+        """Put this rank's checkpoint files where they belong; return (state, external path)."""
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 f"report(checkpoint=...) takes a lockstep.Checkpoint, got {type(checkpoint).__name__}; "
                 "use Checkpoint.from_directory(folder)."
             )
+        if upload_mode is CheckpointUploadMode.NO_UPLOAD:
+            return "external", checkpoint.uri
+        self._check_shared_storage()
+        if upload_mode is CheckpointUploadMode.ASYNC:
+            if self._uploader is None:
+                self._uploader = CheckpointUploader(self.context, self._channel)
+            self._uploader.submit(index, dir_name, checkpoint)
+            return "uploading", None
         with checkpoint.as_directory() as local_dir:
-            self.context.storage.stage_checkpoint(local_dir, dir_name)
+            write_checkpoint(self.context, local_dir, dir_name)
+        return "written", None
+
+    def _check_shared_storage(self) -> None:
+        """The driver's run record must be visible here, or checkpoint files would land
+        somewhere the driver never looks."""
+        if self._storage_checked:
+            return
+        storage = self.context.storage
+        if not storage.has_record():
+            raise RuntimeError(
+                f"rank {self.context.world_rank} can't see the run folder {storage.display_path} that the driver "
+                "created. On a cluster, storage_path must be shared by every node: an NFS path or cloud "
+                "storage such as s3://bucket/prefix."
+            )
+        self._storage_checked = True
+
+    def wait_for_uploads(self) -> None:
+        """Block until every ASYNC checkpoint upload of this rank has ended."""
+        if self._uploader is not None:
+            self._uploader.close()
 
     def get_checkpoint(self) -> Checkpoint | None:
         """The latest committed checkpoint (at start: the one to resume from)."""
@@ -133,6 +194,70 @@ class WorkerSession:
             known = ", ".join(repr(key) for key in self._datasets) or "none"
             raise KeyError(f"get_dataset_shard({name!r}): no such dataset; the trainer got: {known}.")
         return self._datasets[name]
+
+
+def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> None:
+    """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure."""
+    try:
+        context.storage.write_checkpoint(local_dir, dir_name)
+    except Exception as error:
+        raise OSError(
+            f"rank {context.world_rank}: writing checkpoint {dir_name} to "
+            f"{context.storage.checkpoint_path(dir_name)} failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+class CheckpointUploader:
+    """ASYNC uploads of one rank, in report order, on a background thread.
+
+    ``submit`` takes a private copy of the checkpoint first (hard links where the filesystem
+    allows, so it costs next to nothing), so the caller may delete its folder as soon as
+    ``report()`` returns; files must not be rewritten in place before the upload ends.
+    """
+
+    def __init__(self, context: TrainContext, channel: protocol.WorkerChannel) -> None:
+        self._context = context
+        self._channel = channel
+        self._jobs: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._upload_loop, name="lockstep-checkpoint-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, dir_name: str, checkpoint: Checkpoint) -> None:
+        """Queue the upload of ``checkpoint`` as ``dir_name`` for report ``index``."""
+        if checkpoint.is_local:
+            staged = _private_copy(checkpoint.path)
+        else:
+            staged = checkpoint.to_directory()
+        self._jobs.put((index, dir_name, staged))
+
+    def _upload_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            index, dir_name, staged = job
+            error = None
+            try:
+                write_checkpoint(self._context, staged, dir_name)
+            except OSError as failure:
+                error = str(failure)
+            finally:
+                shutil.rmtree(staged, ignore_errors=True)
+            self._channel.send(protocol.CheckpointUploaded(self._context.world_rank, index, dir_name, error))
+
+    def close(self) -> None:
+        """Wait for the queued uploads to end."""
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _private_copy(folder: str) -> str:
+    """A copy of ``folder`` that survives its deletion: hard links when possible, else a copy."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    try:
+        staged = tempfile.mkdtemp(prefix=".lockstep_upload_", dir=parent)
+        shutil.copytree(folder, staged, copy_function=os.link, dirs_exist_ok=True)
+    except OSError:
+        staged = tempfile.mkdtemp(prefix="lockstep_upload_")
+        shutil.copytree(folder, staged, dirs_exist_ok=True)
+    return staged
 
 
 def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
@@ -229,9 +354,10 @@ def report(
         checkpoint: Files to save with this report, see :meth:`Checkpoint.from_directory`.
         checkpoint_dir_name: Folder name for the checkpoint (default ``checkpoint_<index>``);
             the same on every rank.
-        checkpoint_upload_mode: Accepted for Ray Train compatibility; uploads are synchronous.
+        checkpoint_upload_mode: SYNC (default), ASYNC or NO_UPLOAD, see :class:`CheckpointUploadMode`.
     """
-    active_session("report").report(metrics, checkpoint, checkpoint_dir_name)
+    mode = CheckpointUploadMode(checkpoint_upload_mode)
+    active_session("report").report(metrics, checkpoint, checkpoint_dir_name, mode)
 
 
 def get_context() -> TrainContext:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.storage import CheckpointEntry, RunStorage
 from lockstep.checkpoint import Checkpoint
 from lockstep.errors import TrainingFailedError, WorkerFailure
 
@@ -86,15 +86,11 @@ def result_from_record(
     run: RunStorage, record: dict[str, Any], reports: list[dict[str, Any]], return_value: Any = None
 ) -> Result:
     """Build a Result from a run record and its report history."""
-    kept = [
-        (Checkpoint(run.checkpoint_path(entry["dir_name"]), run.filesystem), entry["metrics"])
-        for entry in record.get("checkpoints", [])
-    ]
-    latest = record.get("latest_checkpoint")
-    latest_checkpoint = Checkpoint(run.checkpoint_path(latest), run.filesystem) if latest else None
+    entries = [CheckpointEntry(**entry) for entry in record.get("checkpoints", [])]
+    kept = [(run.checkpoint_of(entry), entry.metrics) for entry in entries]
     return Result(
         metrics=dict(reports[-1]["metrics"]) if reports else None,
-        checkpoint=latest_checkpoint,
+        checkpoint=kept[-1][0] if kept else None,
         error=error_from_record(record.get("error")),
         path=run.display_path,
         filesystem=run.filesystem,

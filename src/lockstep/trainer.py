@@ -12,7 +12,7 @@ from lockstep._internal.controller import Controller
 from lockstep._internal.executors import make_group_factory
 from lockstep._internal.payload import WorkerPayload, serialize_payload
 from lockstep._internal.run_record import RunRecorder
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
 from lockstep.backend import BackendConfig
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DEFAULT_STORAGE_PATH, DataConfig, RunConfig, ScalingConfig
@@ -83,14 +83,16 @@ class DataParallelTrainer:
         scaling = self.scaling_config
         make_group = make_group_factory(scaling)
         name = self.run_config.name or f"{type(self).__name__}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
-        storage = RunStorage.for_run(
-            self.run_config.storage_path or DEFAULT_STORAGE_PATH, name, self.run_config.storage_filesystem
-        )
-        recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers)
-        build_payload = self._payload_builder(storage)
-        start_checkpoint = recorder.latest_checkpoint or self.resume_from_checkpoint
-        first_payload = build_payload(recorder.next_report_index, start_checkpoint)
-        recorder.open()
+        storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
+        with storage_errors(storage_path):
+            storage = RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
+            check_storage_path(storage_path, storage)
+            recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers)
+            recorder.check_resumable()
+        build_payload = self._payload_builder(storage, recorder)
+        first_payload = build_payload(recorder.next_report_index, recorder.latest_checkpoint or self.resume_from_checkpoint)
+        with storage_errors(storage_path):
+            recorder.open()
         logger.info("Run %s: %d workers, results in %s", name, scaling.num_workers, storage.display_path)
         controller = Controller(
             make_group, build_payload, recorder, scaling.num_workers,
@@ -98,7 +100,7 @@ class DataParallelTrainer:
         )
         return controller.run(first_payload)
 
-    def _payload_builder(self, storage: RunStorage) -> Callable[[int, Checkpoint | None], bytes]:
+    def _payload_builder(self, storage: RunStorage, recorder: RunRecorder) -> Callable[[int, Checkpoint | None], bytes]:
         def build(first_report_index: int, checkpoint: Checkpoint | None) -> bytes:
             return serialize_payload(
                 WorkerPayload(
@@ -110,6 +112,7 @@ class DataParallelTrainer:
                     experiment_name=storage.name,
                     first_report_index=first_report_index,
                     checkpoint=checkpoint,
+                    used_dir_names=recorder.committed_dir_names,
                     datasets=self.datasets,
                     dataset_config=self.dataset_config,
                     metadata=self.metadata,

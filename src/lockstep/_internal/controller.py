@@ -40,6 +40,7 @@ class Attempt:
     finished: set[int] = field(default_factory=set)
     exited: set[int] = field(default_factory=set)
     failures: list[WorkerFailure] = field(default_factory=list)
+    uploads: dict[int, "PendingCheckpoint"] = field(default_factory=dict)
     return_value: Any = None
 
     @property
@@ -49,6 +50,16 @@ class Attempt:
     @property
     def over(self) -> bool:
         return bool(self.failures) or self.succeeded
+
+
+@dataclass
+class PendingCheckpoint:
+    """A reported checkpoint whose ASYNC uploads are still running on ``waiting`` ranks."""
+
+    dir_name: str
+    metrics: dict[str, Any]
+    waiting: set[int]
+    external_path: str | None = None
 
 
 class Controller:
@@ -93,6 +104,13 @@ class Controller:
         except TrainingFailedError as error:
             self.recorder.finish("failed", error)
             raise
+        except Exception as error:
+            failure = TrainingFailedError(
+                f"The driver could not go on: {type(error).__name__}: {error} "
+                f"(report #{self.recorder.next_report_index} was next)."
+            )
+            self.recorder.finish("failed", failure)
+            raise failure from error
 
     def _resume_checkpoint(self) -> Checkpoint | None:
         return self.recorder.latest_checkpoint or self.start_checkpoint
@@ -130,6 +148,8 @@ class Controller:
     def _handle(self, event: Any, attempt: Attempt, group: WorkerGroup) -> None:
         if isinstance(event, protocol.Report):
             self._on_report(event, attempt, group)
+        elif isinstance(event, protocol.CheckpointUploaded):
+            self._on_uploaded(event, attempt)
         elif isinstance(event, protocol.Hello):
             self._on_hello(event, attempt)
         elif isinstance(event, protocol.Finished):
@@ -152,21 +172,49 @@ class Controller:
             self._check_no_rank_left(attempt)
             return
         del attempt.pending_reports[report.index]
-        checkpoint_path = self._commit(report.index, calls)
+        self._record(report.index, calls, attempt)
+        latest = self.recorder.latest_checkpoint
+        done = protocol.ReportDone(report.index, latest.path if latest is not None else None)
         for rank in range(self.world_size):
-            group.send(rank, protocol.ReportDone(report.index, checkpoint_path))
+            group.send(rank, done)
 
-    def _commit(self, index: int, calls: dict[int, protocol.Report]) -> str | None:
-        dir_names = {call.checkpoint_dir_name for call in calls.values()} - {None}
+    def _record(self, index: int, calls: dict[int, protocol.Report], attempt: Attempt) -> None:
+        """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
+        with_checkpoint = [call for call in calls.values() if call.checkpoint_dir_name is not None]
+        dir_names = sorted({call.checkpoint_dir_name for call in with_checkpoint})
         if len(dir_names) > 1:
             raise TrainingFailedError(
-                f"report #{index}: ranks passed different checkpoint_dir_name values {sorted(dir_names)}; "
+                f"report #{index}: ranks passed different checkpoint_dir_name values {dir_names}; "
                 "every rank must use the same name."
             )
-        metrics_json = calls[0].metrics_json or "{}"
-        checkpoint_path = self.recorder.commit_report(index, metrics_json, next(iter(dir_names), None))
-        logger.info("report #%d: %s%s", index, metrics_json, f" -> {checkpoint_path}" if checkpoint_path else "")
-        return checkpoint_path
+        dir_name = dir_names[0] if dir_names else None
+        report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name)
+        logger.info("report #%d: %s", index, _short(report["metrics"]))
+        if dir_name is None:
+            return
+        uploading = {call.rank for call in with_checkpoint if call.checkpoint_state == "uploading"}
+        external = next((call.external_path for call in with_checkpoint if call.external_path), None)
+        attempt.uploads[index] = PendingCheckpoint(dir_name, report["metrics"], uploading, external)
+        self._commit_uploaded(attempt)
+
+    def _on_uploaded(self, uploaded: protocol.CheckpointUploaded, attempt: Attempt) -> None:
+        if uploaded.error is not None:
+            attempt.failures.append(WorkerFailure(uploaded.rank, "CheckpointUploadError", uploaded.error))
+            return
+        pending = attempt.uploads.get(uploaded.index)
+        if pending is not None:
+            pending.waiting.discard(uploaded.rank)
+        self._commit_uploaded(attempt)
+
+    def _commit_uploaded(self, attempt: Attempt) -> None:
+        """Commit finished checkpoints in report order (a later one waits for an earlier one)."""
+        for index in sorted(attempt.uploads):
+            pending = attempt.uploads[index]
+            if pending.waiting:
+                return
+            self.recorder.commit_checkpoint(pending.dir_name, index, pending.metrics, pending.external_path)
+            logger.info("checkpoint %s committed (report #%d).", pending.dir_name, index)
+            del attempt.uploads[index]
 
     def _on_finished(self, finished: protocol.Finished, attempt: Attempt) -> None:
         attempt.finished.add(finished.rank)
@@ -198,6 +246,12 @@ class Controller:
             attempt.failures.append(
                 WorkerFailure(exited.rank, "WorkerDied", f"the worker process {describe_exit(exited.returncode)}")
             )
+
+
+def _short(metrics: dict[str, Any], limit: int = 200) -> str:
+    """Metrics for a log line, cut to ``limit`` characters."""
+    text = ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in metrics.items())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def describe_exit(returncode: int) -> str:

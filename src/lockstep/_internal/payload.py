@@ -36,6 +36,7 @@ class WorkerPayload:
     experiment_name: str
     first_report_index: int
     checkpoint: Checkpoint | None
+    used_dir_names: list[str] = field(default_factory=list)
     datasets: dict[str, Any] = field(default_factory=dict)
     dataset_config: DataConfig = field(default_factory=DataConfig)
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
@@ -35,12 +36,30 @@ class Hello:
 
 @dataclass(frozen=True)
 class Report:
-    """One rank's ``report()`` call. Only rank 0 sends metrics (as a JSON string)."""
+    """One rank's ``report()`` call. Only rank 0 sends metrics (as a JSON string).
+
+    ``checkpoint_state`` says where this rank's checkpoint files are: ``"written"`` (in the
+    checkpoint folder already), ``"uploading"`` (an ASYNC upload follows with
+    :class:`CheckpointUploaded`) or ``"external"`` (NO_UPLOAD: registered where it is, at
+    ``external_path``); None when this rank passed no checkpoint.
+    """
 
     rank: int
     index: int
     metrics_json: str | None
-    checkpoint_dir_name: str | None
+    checkpoint_dir_name: str | None = None
+    checkpoint_state: str | None = None
+    external_path: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointUploaded:
+    """A rank's ASYNC upload for report ``index`` ended (``error`` says why it failed)."""
+
+    rank: int
+    index: int
+    dir_name: str
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,14 +82,14 @@ class Failed:
 
 @dataclass(frozen=True)
 class ReportDone:
-    """Every rank has made report ``index``; it is recorded, and its checkpoint (if any) committed."""
+    """Every rank has made report ``index`` and it is recorded; ``latest_checkpoint`` is the
+    newest committed checkpoint (a path on the run's filesystem) at that moment."""
 
     index: int
-    checkpoint_path: str | None
-    error: str | None = None
+    latest_checkpoint: str | None
 
 
-WorkerMessage = Hello | Report | Finished | Failed
+WorkerMessage = Hello | Report | CheckpointUploaded | Finished | Failed
 
 
 # -- the channel ---------------------------------------------------------------------------------
@@ -107,7 +126,25 @@ class DriverListener:
         self._socket.close()
 
 
-def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Connection:
+class WorkerChannel:
+    """The worker's end of the channel: sends may come from two threads (the train function
+    and the checkpoint upload thread), so they take a lock; only the train function receives."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        """Send one message to the driver."""
+        with self._send_lock:
+            self._connection.send(message)
+
+    def recv(self) -> Any:
+        """Wait for the driver's next message."""
+        return self._connection.recv()
+
+
+def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> WorkerChannel:
     """Open the worker's channel to the driver named in its environment."""
     host, port = env[ENV_DRIVER_ADDRESS].rsplit(":", 1)
     authkey = bytes.fromhex(env[ENV_AUTHKEY])
@@ -116,5 +153,5 @@ def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Co
     connection = Connection(sock.detach())
     answer_challenge(connection, authkey)
     deliver_challenge(connection, authkey)
-    return connection
+    return WorkerChannel(connection)
 

@@ -25,41 +25,52 @@ def _now() -> str:
 
 class RunRecorder:
     """Commits reports and checkpoints to the run folder, in an order that never loses one:
-    checkpoint files are moved into place, then the report is logged, then the record that
-    names the latest checkpoint is rewritten, and only then are old checkpoints deleted."""
+    every rank has written its checkpoint files, then the report is logged, then the record
+    that names the new checkpoint replaces the old one, and only then are checkpoints beyond
+    ``num_to_keep`` deleted.
+
+    Creating a recorder only reads storage; :meth:`open` is the first write.
+    """
 
     def __init__(self, storage: RunStorage, checkpoint_config: CheckpointConfig, world_size: int) -> None:
         self.storage = storage
         self.checkpoint_config = checkpoint_config
         self.world_size = world_size
-        self.reports: list[dict[str, Any]] = []
-        self.checkpoints: list[CheckpointEntry] = []
-        self.record: dict[str, Any] = {}
-        self._log = storage.open_report_log()
         self._earlier = storage.read_record()
-        if self._earlier is not None:
-            self._load(self._earlier)
+        self.record: dict[str, Any] = dict(self._earlier or {})
+        self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
+        self.checkpoints = [CheckpointEntry(**entry) for entry in self.record.get("checkpoints", [])]
+        self._log = storage.open_report_log([json.dumps(report) for report in self.reports])
 
-    # -- opening ------------------------------------------------------------------------------
+    def check_resumable(self) -> None:
+        """Refuse to continue a run whose record names a checkpoint that is gone.
+
+        Raises:
+            FileNotFoundError: the latest checkpoint's folder is missing.
+        """
+        latest = self.latest_checkpoint
+        if latest is not None and not latest.filesystem.exists(latest.path):
+            raise FileNotFoundError(
+                f"The run {self.storage.display_path} lists {self.checkpoints[-1].dir_name} as its latest "
+                f"checkpoint, but {latest.path} is missing. Restore that folder, or start a new run (another "
+                "RunConfig.name, or delete the run folder)."
+            )
 
     def open(self) -> None:
         """Create the run folder (or continue the earlier run found there) and mark it running."""
-        self.storage.prepare()
         if self._earlier is not None:
+            resumed_from = self.checkpoints[-1].dir_name if self.checkpoints else "no checkpoint"
             logger.info(
-                "Continuing run %s (status %s): %d reports so far, resuming from %s.",
-                self.storage.display_path, self._earlier.get("status"), len(self.reports),
-                self.checkpoints[-1].dir_name if self.checkpoints else "no checkpoint",
+                "Continuing run %s (it was %s): %d reports so far, resuming from %s.",
+                self.storage.display_path, self._earlier.get("status"), len(self.reports), resumed_from,
             )
         else:
             self.record = {"format_version": RECORD_FORMAT_VERSION, "name": self.storage.name, "created_at": _now()}
         self.record.update(status="running", world_size=self.world_size, error=None)
         self._write_record()
-
-    def _load(self, earlier: dict[str, Any]) -> None:
-        self.record = earlier
-        self.reports = self.storage.read_reports()
-        self.checkpoints = [CheckpointEntry(**entry) for entry in earlier.get("checkpoints", [])]
+        removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
+        if removed:
+            logger.info("Removed unfinished checkpoint folders of an earlier attempt: %s", ", ".join(removed))
 
     @property
     def next_report_index(self) -> int:
@@ -67,19 +78,19 @@ class RunRecorder:
         return self.reports[-1]["report_index"] + 1 if self.reports else 0
 
     @property
+    def committed_dir_names(self) -> list[str]:
+        """The folder names of the kept checkpoints, oldest first."""
+        return [entry.dir_name for entry in self.checkpoints]
+
+    @property
     def latest_checkpoint(self) -> Checkpoint | None:
         """The newest committed checkpoint."""
-        if not self.checkpoints:
-            return None
-        return Checkpoint(self.storage.checkpoint_path(self.checkpoints[-1].dir_name), self.storage.filesystem)
+        return self.storage.checkpoint_of(self.checkpoints[-1]) if self.checkpoints else None
 
     # -- committing ---------------------------------------------------------------------------
 
-    def commit_report(self, index: int, metrics_json: str, checkpoint_dir_name: str | None) -> str | None:
-        """Record one report (every rank has made it); return the committed checkpoint's path."""
-        checkpoint_path = None
-        if checkpoint_dir_name is not None:
-            checkpoint_path = self.storage.commit_checkpoint(checkpoint_dir_name)
+    def log_report(self, index: int, metrics_json: str, checkpoint_dir_name: str | None) -> dict[str, Any]:
+        """Add one report (every rank has made it) to the history."""
         report = {
             "report_index": index,
             "timestamp": time.time(),
@@ -88,23 +99,27 @@ class RunRecorder:
         }
         self._log.append(json.dumps(report))
         self.reports.append(report)
-        if checkpoint_dir_name is not None:
-            self._add_checkpoint(CheckpointEntry(checkpoint_dir_name, index, report["metrics"]))
-        return checkpoint_path
+        return report
 
-    def _add_checkpoint(self, entry: CheckpointEntry) -> None:
-        self.checkpoints = [known for known in self.checkpoints if known.dir_name != entry.dir_name] + [entry]
+    def commit_checkpoint(
+        self, dir_name: str, report_index: int, metrics: dict[str, Any], external_path: str | None = None
+    ) -> None:
+        """Make a fully written checkpoint the run's latest."""
+        entry = CheckpointEntry(dir_name, report_index, metrics, external_path)
+        self.checkpoints = [known for known in self.checkpoints if known.dir_name != dir_name] + [entry]
         doomed = checkpoints_to_delete(self.checkpoints, self.checkpoint_config)
         self.checkpoints = [known for known in self.checkpoints if known not in doomed]
         self._write_record()
         for old in doomed:
-            self.storage.delete_checkpoint(old.dir_name)
+            if old.path is None:
+                self.storage.delete_checkpoint(old.dir_name)
+        logger.debug("committed %s", dir_name)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Mark the run finished, failed or interrupted."""
+        self._log.close()
         self.record.update(status=status, error=error_to_record(error))
         self._write_record()
-        self._log.close()
 
     def _write_record(self) -> None:
         self.record.update(
@@ -118,4 +133,3 @@ class RunRecorder:
     def result(self, return_value: Any = None) -> Result:
         """The Result of the run as recorded."""
         return result_from_record(self.storage, self.record, self.reports, return_value)
-

@@ -1,44 +1,100 @@
 """Everything that touches storage: paths and URIs to filesystems, the run folder's layout,
-and the atomic steps (stage, commit, record) that make checkpoints safe.
+and the record that makes checkpoints count.
 
 Run folder layout (``<storage_path>/<name>/``)::
 
     lockstep_run.json        the run record: status, reports so far, committed checkpoints, error
     reports.jsonl            one JSON line per report(): report_index, timestamp, metrics, checkpoint
-    checkpoint_000003/       committed checkpoints (every rank's files merged into one folder)
-    .staging/checkpoint_…/   checkpoints being written; never read as results
+    checkpoint_000003/       checkpoints (every rank's files merged into one folder)
 
-A checkpoint becomes part of the run only when the driver has moved it out of ``.staging`` and
-rewritten ``lockstep_run.json`` (written to a temporary name, then renamed over the old one).
+Workers write checkpoint files straight into their folder. A checkpoint counts only once the
+run record names it: the driver rewrites the record (a temporary file renamed over the old one
+on local disk, a single PUT on object stores) after every rank has finished writing. A folder
+the record does not name is an unfinished write: readers ignore it, and the next start of the
+run deletes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
+import threading
 import uuid
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+if TYPE_CHECKING:
+    from lockstep.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
 RECORD_FILE = "lockstep_run.json"
 REPORTS_FILE = "reports.jsonl"
-STAGING_DIR = ".staging"
 RECORD_FORMAT_VERSION = 1
+DEFAULT_CHECKPOINT_NAME = re.compile(r"^checkpoint_\d{6,}$")
 
 
 def resolve_filesystem(path: str | os.PathLike[str], filesystem: Any = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Turn a local path or URI (``s3://…``) into ``(filesystem, path on that filesystem)``."""
     path = os.fspath(path)
     if filesystem is not None:
-        return filesystem, path
+        return filesystem, filesystem._strip_protocol(path)
     if "://" not in path:
         return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
     return fsspec.core.url_to_fs(path)
+
+
+@contextlib.contextmanager
+def storage_errors(storage_path: str) -> Iterator[None]:
+    """Turn the errors of an unusable storage_path into a ValueError that says what to fix."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        if isinstance(error, FileNotFoundError) and "://" in storage_path:
+            raise ValueError(
+                f"storage_path={storage_path!r}: {error}. Check that the bucket exists (create it first) "
+                "and that the endpoint (AWS_ENDPOINT_URL) is right."
+            ) from error
+        raise
+    except PermissionError as error:
+        raise ValueError(
+            f"storage_path={storage_path!r} is not writable ({error}); choose a folder you can write to."
+        ) from error
+    except Exception as error:
+        hint = _storage_hint(error)
+        raise ValueError(f"storage_path={storage_path!r} can't be used: {type(error).__name__}: {error}.{hint}") from error
+
+
+def _storage_hint(error: BaseException) -> str:
+    if "credential" in str(error).lower() or type(error).__name__ == "NoCredentialsError":
+        return (" Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS server), "
+                "or pass RunConfig(storage_filesystem=...).")
+    return ""
+
+
+def check_storage_path(storage_path: str, storage: "RunStorage") -> None:
+    """Refuse a storage_path that is a file, before anything is written.
+
+    Raises:
+        ValueError: the path (or the run folder inside it) is a file.
+    """
+    filesystem = storage.filesystem
+    base = storage.run_path.rsplit("/", 1)[0]
+    for path in (base, storage.run_path):
+        if filesystem.isfile(path):
+            raise ValueError(
+                f"storage_path={storage_path!r}: {path} is a file, not a folder; choose a folder for the runs."
+            )
+    if is_local(filesystem) and os.path.exists(base) and not os.access(base, os.W_OK):
+        raise PermissionError(f"{base} is read-only")
 
 
 def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
@@ -46,27 +102,28 @@ def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
     return isinstance(filesystem, LocalFileSystem)
 
 
-def copy_local_tree(source: str, destination: str) -> None:
-    """Copy a local folder's files into ``destination``, merging with what is already there."""
-    shutil.copytree(source, destination, dirs_exist_ok=True)
-
-
 def upload_directory(local_dir: str, filesystem: fsspec.AbstractFileSystem, destination: str) -> None:
-    """Copy a local folder to ``destination`` on ``filesystem`` (merging into it)."""
+    """Copy a local folder's files into ``destination`` on ``filesystem`` (merging with what is there)."""
     if is_local(filesystem):
-        copy_local_tree(local_dir, destination)
+        shutil.copytree(local_dir, destination, dirs_exist_ok=True)
         return
-    filesystem.makedirs(destination, exist_ok=True)
-    filesystem.put(local_dir.rstrip("/") + "/", destination, recursive=True)
+    for root, _, files in os.walk(local_dir):
+        relative = os.path.relpath(root, local_dir)
+        target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
+        for name in files:
+            filesystem.put_file(os.path.join(root, name), join(target, name))
 
 
 def download_directory(filesystem: fsspec.AbstractFileSystem, source: str, local_dir: str) -> None:
     """Copy the folder ``source`` on ``filesystem`` into the local folder ``local_dir``."""
     if is_local(filesystem):
-        copy_local_tree(source, local_dir)
+        shutil.copytree(source, local_dir, dirs_exist_ok=True)
         return
-    os.makedirs(local_dir, exist_ok=True)
-    filesystem.get(source.rstrip("/") + "/", local_dir, recursive=True)
+    for remote in filesystem.find(source):
+        relative = remote[len(source.rstrip("/")) + 1:]
+        local = os.path.join(local_dir, *relative.split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        filesystem.get_file(remote, local)
 
 
 def join(*parts: str) -> str:
@@ -76,17 +133,19 @@ def join(*parts: str) -> str:
 
 @dataclass(frozen=True)
 class CheckpointEntry:
-    """One committed checkpoint as the run record lists it."""
+    """One committed checkpoint as the run record lists it. ``path`` is set only for a
+    checkpoint registered where it already was (NO_UPLOAD), outside the run folder."""
 
     dir_name: str
     report_index: int
-    metrics: dict[str, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
 
 
 class RunStorage:
     """The run folder ``<storage_path>/<name>`` and the operations on it.
 
-    Picklable: the driver creates it, and workers get a copy to stage their checkpoint files.
+    Picklable: the driver creates it, and workers get a copy to write their checkpoint files.
     """
 
     def __init__(self, run_path: str | os.PathLike[str], filesystem: Any = None) -> None:
@@ -110,42 +169,46 @@ class RunStorage:
         """A path inside the run folder."""
         return join(self.run_path, *parts)
 
-    # -- set-up -------------------------------------------------------------------------------
-
-    def prepare(self) -> None:
-        """Create the run folder, and clear checkpoints left half-written by an earlier attempt."""
-        self.filesystem.makedirs(self.run_path, exist_ok=True)
-        staging = self.path_of(STAGING_DIR)
-        if self.filesystem.exists(staging):
-            self.filesystem.rm(staging, recursive=True)
-
     # -- checkpoints --------------------------------------------------------------------------
 
-    def staging_path(self, dir_name: str) -> str:
-        """Where ranks write the files of a checkpoint that isn't committed yet."""
-        return self.path_of(STAGING_DIR, dir_name)
-
     def checkpoint_path(self, dir_name: str) -> str:
-        """Where a committed checkpoint lives."""
+        """Where the checkpoint ``dir_name`` lives."""
         return self.path_of(dir_name)
 
-    def stage_checkpoint(self, local_dir: str, dir_name: str) -> None:
-        """Copy one rank's checkpoint files into the staging folder of ``dir_name``."""
-        upload_directory(local_dir, self.filesystem, self.staging_path(dir_name))
+    def checkpoint_of(self, entry: CheckpointEntry) -> Checkpoint:
+        """The Checkpoint a record entry names."""
+        from lockstep.checkpoint import Checkpoint
 
-    def commit_checkpoint(self, dir_name: str) -> str:
-        """Move a fully staged checkpoint to its final place and return that path."""
-        final = self.checkpoint_path(dir_name)
-        if self.filesystem.exists(final):
-            self.filesystem.rm(final, recursive=True)
-        self.filesystem.mv(self.staging_path(dir_name), final, recursive=True)
-        return final
+        if entry.path is not None:
+            return Checkpoint(entry.path)
+        return Checkpoint(self.checkpoint_path(entry.dir_name), self.filesystem)
+
+    def write_checkpoint(self, local_dir: str, dir_name: str) -> None:
+        """Copy one rank's checkpoint files into the folder of ``dir_name``."""
+        upload_directory(local_dir, self.filesystem, self.checkpoint_path(dir_name))
 
     def delete_checkpoint(self, dir_name: str) -> None:
-        """Remove a committed checkpoint (after the record no longer lists it)."""
+        """Remove a checkpoint folder (after the record no longer names it)."""
         path = self.checkpoint_path(dir_name)
         if self.filesystem.exists(path):
             self.filesystem.rm(path, recursive=True)
+
+    def delete_unfinished_checkpoints(self, committed: set[str]) -> list[str]:
+        """Delete folders named like lockstep's checkpoints that the record doesn't name
+        (writes a crash cut short). Folders with other names are left alone."""
+        if not self.filesystem.exists(self.run_path):
+            return []
+        unfinished = [
+            name for name in (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.filesystem.ls(self.run_path, detail=False))
+            if DEFAULT_CHECKPOINT_NAME.match(name) and name not in committed
+        ]
+        for name in unfinished:
+            self.delete_checkpoint(name)
+        return unfinished
+
+    def has_record(self) -> bool:
+        """Whether the run record exists (workers check this to see they share the driver's storage)."""
+        return self.filesystem.exists(self.path_of(RECORD_FILE))
 
     # -- the record and the report history ----------------------------------------------------
 
@@ -154,6 +217,7 @@ class RunStorage:
         data = json.dumps(record, indent=1, sort_keys=True)
         target = self.path_of(RECORD_FILE)
         if is_local(self.filesystem):
+            os.makedirs(self.run_path, exist_ok=True)
             temporary = f"{target}.{uuid.uuid4().hex}.tmp"
             with open(temporary, "w", encoding="utf-8") as handle:
                 handle.write(data)
@@ -169,44 +233,105 @@ class RunStorage:
         with self.filesystem.open(target, "r", encoding="utf-8") as handle:
             return json.load(handle)
 
-    def open_report_log(self) -> "ReportLog":
-        """The append-only report history of this run."""
-        return ReportLog(self.filesystem, self.path_of(REPORTS_FILE))
+    def open_report_log(self, existing_lines: list[str]) -> "ReportLog":
+        """The report history of this run, to append to; ``existing_lines`` are already in it."""
+        if is_local(self.filesystem):
+            return AppendingReportLog(self.path_of(REPORTS_FILE))
+        return RewritingReportLog(self.filesystem, self.path_of(REPORTS_FILE), existing_lines)
 
     def read_reports(self) -> list[dict[str, Any]]:
-        """Every recorded report, oldest first."""
-        return list(ReportLog(self.filesystem, self.path_of(REPORTS_FILE)).read())
+        """Every recorded report, oldest first (a torn last line, from a crash, is skipped)."""
+        target = self.path_of(REPORTS_FILE)
+        if not self.filesystem.exists(target):
+            return []
+        with self.filesystem.open(target, "r", encoding="utf-8") as handle:
+            return [json.loads(line) for line in _complete_lines(handle)]
+
+
+def _complete_lines(handle: Any) -> Iterator[str]:
+    for line in handle:
+        if line.endswith("\n"):
+            yield line
 
 
 class ReportLog:
-    """``reports.jsonl``: one line per report, appended as reports are committed."""
+    """``reports.jsonl``: one line per committed report."""
 
-    def __init__(self, filesystem: fsspec.AbstractFileSystem, path: str) -> None:
-        self.filesystem = filesystem
+    def append(self, line: str) -> None:
+        """Add one JSON line."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Write out everything appended so far."""
+
+
+class AppendingReportLog(ReportLog):
+    """On local disk: each line is appended and flushed at once (microseconds)."""
+
+    def __init__(self, path: str) -> None:
         self.path = path
         self._handle: Any = None
 
     def append(self, line: str) -> None:
-        """Add one JSON line and flush it to the file."""
         if self._handle is None:
-            self._handle = self.filesystem.open(self.path, "a", encoding="utf-8")
+            self._handle = open(self.path, "a", encoding="utf-8")
         self._handle.write(line + "\n")
         self._handle.flush()
 
-    def read(self) -> Iterator[dict[str, Any]]:
-        """Yield each complete line as a dict (a torn last line, from a crash, is skipped)."""
-        if not self.filesystem.exists(self.path):
-            return
-        with self.filesystem.open(self.path, "r", encoding="utf-8") as handle:
-            for line in handle:
-                if line.endswith("\n"):
-                    yield json.loads(line)
-
     def close(self) -> None:
-        """Close the file."""
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+
+class RewritingReportLog(ReportLog):
+    """On object stores, which can't append: a background thread rewrites the whole file
+    whenever lines were added, so ``report()`` never waits for a round trip to the store."""
+
+    def __init__(self, filesystem: fsspec.AbstractFileSystem, path: str, existing_lines: list[str]) -> None:
+        self.filesystem = filesystem
+        self.path = path
+        self._lines = list(existing_lines)
+        self._written = len(existing_lines)
+        self._changed = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def append(self, line: str) -> None:
+        with self._changed:
+            self._lines.append(line)
+            self._changed.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write_loop, name="lockstep-report-log", daemon=True)
+            self._thread.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._changed:
+                while len(self._lines) == self._written and not self._closing:
+                    self._changed.wait()
+                if len(self._lines) == self._written:
+                    return
+                lines = list(self._lines)
+            self._write(lines)
+
+    def _write(self, lines: list[str]) -> None:
+        try:
+            self.filesystem.pipe_file(self.path, "".join(line + "\n" for line in lines).encode())
+        except Exception as error:  # noqa: BLE001 - a lost history write must not stop training
+            logger.warning("could not write the report history %s: %s", self.path, error)
+        with self._changed:
+            self._written = len(lines)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if len(self._lines) != self._written:
+            self._write(list(self._lines))
 
 
 def make_temp_dir(prefix: str) -> str:

@@ -14,8 +14,10 @@ import os
 import signal
 import sys
 import traceback
-from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from lockstep._internal.protocol import WorkerChannel
 
 ENV_PAYLOAD_PATH = "LOCKSTEP_PAYLOAD_PATH"
 ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
@@ -40,18 +42,18 @@ def main() -> None:
     from lockstep._internal import protocol
 
     rank = int(os.environ["RANK"])
-    connection = protocol.connect_to_driver()
-    connection.send(protocol.Hello(rank, os.getpid()))
+    channel = protocol.connect_to_driver()
+    channel.send(protocol.Hello(rank, os.getpid()))
     try:
-        outcome: Any = protocol.Finished(rank, run_rank(rank, connection))
+        outcome: Any = protocol.Finished(rank, run_rank(rank, channel))
         exit_code = 0
     except BaseException as error:  # noqa: BLE001 - every failure must reach the driver
         outcome = protocol.Failed(describe_failure(rank, error))
         exit_code = 1
-    _send_and_exit(connection, outcome, exit_code)
+    _send_and_exit(channel, outcome, exit_code)
 
 
-def run_rank(rank: int, connection: Connection) -> bytes | None:
+def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
     """Load the payload, run the train function, and return rank 0's pickled return value."""
     import cloudpickle
     import torch
@@ -74,11 +76,14 @@ def run_rank(rank: int, connection: Connection) -> bytes | None:
         gpu_ids=tuple(int(item) for item in os.environ.get(ENV_GPU_IDS, "").split(",") if item),
     )
     datasets = shard_datasets(payload.datasets, rank, context.world_size, payload.dataset_config.should_split)
-    session = WorkerSession(context, connection, payload.first_report_index, payload.checkpoint, datasets)
+    session = WorkerSession(
+        context, channel, payload.first_report_index, payload.checkpoint, datasets, payload.used_dir_names
+    )
     set_session(session)
     payload.backend_config.on_worker_start(context, payload.use_gpu)
     try:
         value = call_train_fn(payload.train_fn, payload.train_loop_config)
+        session.wait_for_uploads()
     finally:
         payload.backend_config.on_worker_shutdown()
     return _pickled_return_value(value) if rank == 0 else None
@@ -115,11 +120,10 @@ def describe_failure(rank: int, error: BaseException) -> Any:
     return WorkerFailure(rank=rank, error_type=type(error).__name__, message=str(error), traceback=text)
 
 
-def _send_and_exit(connection: Connection, outcome: Any, exit_code: int) -> None:
+def _send_and_exit(channel: WorkerChannel, outcome: Any, exit_code: int) -> None:
     """Tell the driver how this rank ended, then exit at once (no lingering threads)."""
     try:
-        connection.send(outcome)
-        connection.close()
+        channel.send(outcome)
     except OSError:
         exit_code = exit_code or 1
     logging.shutdown()
