@@ -34,12 +34,17 @@ def _wait_until_listening(port: int, process: subprocess.Popen[bytes], timeout_s
 
 
 @contextmanager
-def s3_server() -> Iterator[dict[str, str]]:
-    """Start moto_server and yield the AWS environment variables that point at it."""
+def s3_server(check_credentials: bool = False) -> Iterator[dict[str, str]]:
+    """Start moto_server and yield the AWS environment variables that point at it. With
+    ``check_credentials`` it refuses unknown access keys, as AWS does."""
     executable = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
     port = _free_port()
+    # Without the test tag: the server outlives single tests on purpose (one per module).
+    env = {key: value for key, value in os.environ.items() if key != "LOCKSTEP_TEST_TAG"}
+    if check_credentials:
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
     process = subprocess.Popen(
-        [executable, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [executable, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
     try:
         _wait_until_listening(port, process, timeout_s=30)

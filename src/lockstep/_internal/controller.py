@@ -41,6 +41,7 @@ class Attempt:
     exited: set[int] = field(default_factory=set)
     failures: list[WorkerFailure] = field(default_factory=list)
     uploads: dict[int, "PendingCheckpoint"] = field(default_factory=dict)
+    uploaded_early: set[tuple[int, int]] = field(default_factory=set)
     return_value: Any = None
 
     @property
@@ -89,6 +90,7 @@ class Controller:
             while True:
                 attempt = self._run_attempt(payload)
                 if attempt.succeeded:
+                    assert not attempt.uploads, f"uploads still pending after every rank finished: {attempt.uploads}"
                     self.recorder.finish("finished")
                     return self.recorder.result(attempt.return_value)
                 error = TrainingFailedError.from_failures(attempt.failures, self._failure_context())
@@ -192,7 +194,10 @@ class Controller:
         logger.info("report #%d: %s", index, _short(report["metrics"]))
         if dir_name is None:
             return
-        uploading = {call.rank for call in with_checkpoint if call.checkpoint_state == "uploading"}
+        uploading = {
+            call.rank for call in with_checkpoint
+            if call.checkpoint_state == "uploading" and (index, call.rank) not in attempt.uploaded_early
+        }
         external = next((call.external_path for call in with_checkpoint if call.external_path), None)
         attempt.uploads[index] = PendingCheckpoint(dir_name, report["metrics"], uploading, external)
         self._commit_uploaded(attempt)
@@ -202,8 +207,10 @@ class Controller:
             attempt.failures.append(WorkerFailure(uploaded.rank, "CheckpointUploadError", uploaded.error))
             return
         pending = attempt.uploads.get(uploaded.index)
-        if pending is not None:
-            pending.waiting.discard(uploaded.rank)
+        if pending is None:  # the upload beat the other ranks' report() calls
+            attempt.uploaded_early.add((uploaded.index, uploaded.rank))
+            return
+        pending.waiting.discard(uploaded.rank)
         self._commit_uploaded(attempt)
 
     def _commit_uploaded(self, attempt: Attempt) -> None:

@@ -116,10 +116,16 @@ class RunRecorder:
         logger.debug("committed %s", dir_name)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
-        """Mark the run finished, failed or interrupted."""
-        self._log.close()
+        """Mark the run finished, failed or interrupted. When storage itself is what failed,
+        this is logged rather than raised, so the run's own error stays the one the user sees."""
         self.record.update(status=status, error=error_to_record(error))
-        self._write_record()
+        try:
+            self._log.close()
+            self._write_record()
+        except Exception as write_error:  # noqa: BLE001
+            if error is None:
+                raise
+            logger.warning("could not mark the run %s in %s: %s", status, self.storage.display_path, write_error)
 
     def _write_record(self) -> None:
         self.record.update(

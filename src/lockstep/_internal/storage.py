@@ -57,14 +57,18 @@ def storage_errors(storage_path: str) -> Iterator[None]:
     """Turn the errors of an unusable storage_path into a ValueError that says what to fix."""
     try:
         yield
-    except (ValueError, FileNotFoundError) as error:
-        if isinstance(error, FileNotFoundError) and "://" in storage_path:
+    except ValueError:
+        raise
+    except FileNotFoundError as error:
+        if "://" in storage_path:
             raise ValueError(
                 f"storage_path={storage_path!r}: {error}. Check that the bucket exists (create it first) "
                 "and that the endpoint (AWS_ENDPOINT_URL) is right."
             ) from error
-        raise
+        raise ValueError(f"storage_path={storage_path!r}: can't create the run folder there ({error}).") from error
     except PermissionError as error:
+        if "://" in storage_path:
+            raise ValueError(f"storage_path={storage_path!r}: access denied ({error}).{CREDENTIALS_HINT}") from error
         raise ValueError(
             f"storage_path={storage_path!r} is not writable ({error}); choose a folder you can write to."
         ) from error
@@ -73,10 +77,15 @@ def storage_errors(storage_path: str) -> Iterator[None]:
         raise ValueError(f"storage_path={storage_path!r} can't be used: {type(error).__name__}: {error}.{hint}") from error
 
 
+CREDENTIALS_HINT = (
+    " Check the credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a "
+    "non-AWS server), or pass RunConfig(storage_filesystem=...) with them."
+)
+
+
 def _storage_hint(error: BaseException) -> str:
-    if "credential" in str(error).lower() or type(error).__name__ == "NoCredentialsError":
-        return (" Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS server), "
-                "or pass RunConfig(storage_filesystem=...).")
+    if "credential" in str(error).lower():
+        return CREDENTIALS_HINT
     return ""
 
 
@@ -110,6 +119,7 @@ def upload_directory(local_dir: str, filesystem: fsspec.AbstractFileSystem, dest
     for root, _, files in os.walk(local_dir):
         relative = os.path.relpath(root, local_dir)
         target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
+        filesystem.makedirs(target, exist_ok=True)
         for name in files:
             filesystem.put_file(os.path.join(root, name), join(target, name))
 
@@ -169,6 +179,10 @@ class RunStorage:
         """A path inside the run folder."""
         return join(self.run_path, *parts)
 
+    def refresh(self) -> None:
+        """Forget cached listings: other processes (workers, an earlier run) write here too."""
+        self.filesystem.invalidate_cache(self.run_path)
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def checkpoint_path(self, dir_name: str) -> str:
@@ -196,6 +210,7 @@ class RunStorage:
     def delete_unfinished_checkpoints(self, committed: set[str]) -> list[str]:
         """Delete folders named like lockstep's checkpoints that the record doesn't name
         (writes a crash cut short). Folders with other names are left alone."""
+        self.refresh()
         if not self.filesystem.exists(self.run_path):
             return []
         unfinished = [
@@ -208,6 +223,7 @@ class RunStorage:
 
     def has_record(self) -> bool:
         """Whether the run record exists (workers check this to see they share the driver's storage)."""
+        self.refresh()
         return self.filesystem.exists(self.path_of(RECORD_FILE))
 
     # -- the record and the report history ----------------------------------------------------
@@ -223,10 +239,12 @@ class RunStorage:
                 handle.write(data)
             os.replace(temporary, target)
         else:
+            self.filesystem.makedirs(self.run_path, exist_ok=True)
             self.filesystem.pipe_file(target, data.encode())
 
     def read_record(self) -> dict[str, Any] | None:
         """The run record, or None when the folder holds no run yet."""
+        self.refresh()
         target = self.path_of(RECORD_FILE)
         if not self.filesystem.exists(target):
             return None
