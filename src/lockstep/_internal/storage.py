@@ -104,6 +104,22 @@ def check_storage_path(storage_path: str, storage: "RunStorage") -> None:
             )
     if is_local(filesystem) and os.path.exists(base) and not os.access(base, os.W_OK):
         raise PermissionError(f"{base} is read-only")
+    if _is_object_store(filesystem):
+        bucket = storage.run_path.split("/", 1)[0]
+        filesystem.invalidate_cache(bucket)
+        try:
+            filesystem.ls(bucket, detail=False)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"the bucket {bucket!r} does not exist") from error
+
+
+OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
+
+
+def _is_object_store(filesystem: fsspec.AbstractFileSystem) -> bool:
+    """Whether paths on ``filesystem`` start with a bucket (which lockstep never creates)."""
+    protocols = filesystem.protocol if isinstance(filesystem.protocol, (tuple, list)) else (filesystem.protocol,)
+    return bool(OBJECT_STORE_PROTOCOLS & set(protocols))
 
 
 def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
