@@ -114,7 +114,7 @@ def test_missing_latest_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     recorder.log_report(0, "{}", "checkpoint_000000")
     recorder.commit_checkpoint("checkpoint_000000", 0, {})
     Path(storage.checkpoint_path("checkpoint_000000")).rmdir()
-    with pytest.raises(FileNotFoundError, match="checkpoint_000000 is missing. Restore that folder"):
+    with pytest.raises(ValueError, match="checkpoint_000000 is missing. Restore that folder"):
         RunRecorder(storage, CheckpointConfig(), world_size=1).check_resumable()
 
 

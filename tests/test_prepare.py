@@ -86,6 +86,7 @@ def inspect_loaders() -> dict:
     own_sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False, seed=7)
     kept = prepare_data_loader(DataLoader(dataset, batch_size=5, sampler=own_sampler))
     iterable = prepare_data_loader(DataLoader(Numbers(), batch_size=2))
+    unbatched = prepare_data_loader(DataLoader(dataset, batch_size=None, shuffle=False))
     mine = {
         "epochs": epochs,
         "sampler": type(shuffled.sampler).__name__,
@@ -97,6 +98,8 @@ def inspect_loaders() -> dict:
         "kept_sampler": kept.sampler is own_sampler,
         "iterable": [batch.tolist() for batch in iterable],
         "iterable_sampler": type(iterable.sampler).__name__,
+        "unbatched": [int(item) for item in unbatched],
+        "settings_kept": [shuffled.num_workers, shuffled.pin_memory, shuffled.timeout, shuffled.persistent_workers],
     }
     gathered: list[object] = [None] * 2
     dist.all_gather_object(gathered, mine)
@@ -116,12 +119,15 @@ def test_prepare_data_loader_shards_and_keeps_settings(storage_path: str) -> Non
         assert rank["kept_sampler"] is True
         assert rank["iterable"] == [[0, 1], [2, 3], [4, 5]]
         assert rank["iterable_sampler"] != "DistributedSampler"
+        assert rank["settings_kept"] == [0, False, 0, False]
+        assert len(rank["unbatched"]) == 10
         assert len(rank["epochs"][0]) == 9
         assert rank["epochs"][0] != rank["epochs"][1]
     assert not set(first["epochs"][0]) & set(second["epochs"][0])
     assert sorted(first["ordered"] + second["ordered"]) == list(range(20))
     assert not set(first["ordered"]) & set(second["ordered"])
     assert first["ordered"] == list(range(0, 20, 2))
+    assert sorted(first["unbatched"] + second["unbatched"]) == list(range(20))
 
 
 def test_single_process_helpers_leave_things_alone() -> None:
@@ -132,8 +138,7 @@ def test_single_process_helpers_leave_things_alone() -> None:
     assert isinstance(loader.sampler, SequentialSampler)
     with pytest.raises(ValueError, match="parallel_strategy"):
         prepare_model(model, parallel_strategy="zero3")
-    with pytest.raises(ValueError, match="fsdp' needs GPUs"):
-        prepare_model(model, parallel_strategy="fsdp")
+    assert prepare_model(model, parallel_strategy="fsdp") is model, "one worker: nothing to shard"
     assert lockstep.torch.get_devices() == [torch.device("cpu")]
 
 

@@ -34,6 +34,19 @@ def test_script_without_main_guard_runs_once(tmp_path: Path) -> None:
     assert len(runs_file.read_text().splitlines()) == 1, "the script body ran again in a worker"
 
 
+@pytest.mark.timeout(120)
+def test_script_failure_shows_the_script_path_and_line(tmp_path: Path) -> None:
+    script = SCRIPTS / "no_main_guard.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "results")], capture_output=True, text=True, timeout=110,
+        env={**os.environ, "SCRIPT_RUNS_FILE": str(tmp_path / "runs"), "FAIL_IN_TRAIN": "rank code"}, cwd=REPO_ROOT,
+    )
+    assert completed.returncode != 0
+    assert "TrainingFailedError: Training failed on rank" in completed.stderr
+    assert f'File "{script}", line' in completed.stderr, completed.stderr
+    assert 'raise RuntimeError("failing on purpose in " + os.environ["FAIL_IN_TRAIN"])' in completed.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("example, expected", [

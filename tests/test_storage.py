@@ -180,3 +180,13 @@ def test_no_upload_registers_the_checkpoint_where_it_is(storage_path: str, tmp_p
                           run_config=RunConfig(name="inplace", storage_path=storage_path)).fit()
     assert result.checkpoint.path == str(tmp_path / "mine")
     assert Result.from_path(Path(storage_path, "inplace")).checkpoint.path == str(tmp_path / "mine")
+
+
+def test_run_record_naming_a_missing_checkpoint_fails_before_start(storage_path: str) -> None:
+    import shutil
+
+    run_config = RunConfig(name="lost", storage_path=storage_path)
+    result = TorchTrainer(checkpoint_every_step, train_loop_config={"steps": 1}, run_config=run_config).fit()
+    shutil.rmtree(result.checkpoint.path)
+    with pytest.raises(ValueError, match="checkpoint_000000 is missing. Restore that folder, or start a new run"):
+        TorchTrainer(checkpoint_every_step, train_loop_config={"steps": 1}, run_config=run_config).fit()

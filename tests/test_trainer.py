@@ -285,3 +285,58 @@ def test_more_gpus_than_the_machine_has_is_refused(storage_path: str) -> None:
     trainer = TorchTrainer(report_identity, scaling_config=ScalingConfig(num_workers=gpus + 1, use_gpu=True))
     with pytest.raises(ValueError, match=rf"needs {gpus + 1} GPUs; this machine has {gpus}"):
         trainer.fit()
+
+
+def crash_while_rank_zero_writes(config: dict) -> None:
+    import time
+
+    rank = lockstep.get_context().get_world_rank()
+    marker = Path(config["marker"])
+    attempt = "second" if marker.exists() else "first"
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, f"rank{rank}_{attempt}.txt").write_text("x")
+        if rank == 1 and attempt == "first":
+            written = Path(config["run"], "checkpoint_000000", "rank0_first.txt")
+            deadline = time.monotonic() + 60
+            while not written.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            marker.write_text("crashed")
+            os._exit(3)
+        lockstep.report({"attempt": attempt}, checkpoint=Checkpoint.from_directory(folder))
+
+
+def test_restart_does_not_mix_files_of_the_failed_attempt(storage_path: str, tmp_path: Path) -> None:
+    result = TorchTrainer(
+        crash_while_rank_zero_writes,
+        train_loop_config={"marker": str(tmp_path / "marker"), "run": str(Path(storage_path, "mixed"))},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="mixed", storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
+    ).fit()
+    assert (tmp_path / "marker").exists(), "the first attempt must have crashed"
+    assert sorted(os.listdir(result.checkpoint.path)) == ["rank0_second.txt", "rank1_second.txt"]
+
+
+def test_default_run_names_are_unique() -> None:
+    from lockstep.trainer import default_run_name
+
+    names = {default_run_name("TorchTrainer") for _ in range(20)}
+    assert len(names) == 20 and all(name.startswith("TorchTrainer_") for name in names)
+
+
+def test_datasets_are_checked_before_start() -> None:
+    with pytest.raises(ValueError, match="fewer than num_workers=3"):
+        TorchTrainer(read_shards, datasets={"train": [1, 2]}, scaling_config=ScalingConfig(num_workers=3))
+    with pytest.raises(ValueError, match="only map-style datasets"):
+        TorchTrainer(read_shards, datasets={"train": iter(range(5))})
+    with pytest.raises(ValueError, match="datasets_to_split"):
+        lockstep.DataConfig(datasets_to_split="train")  # type: ignore[arg-type]
+
+
+def name_a_checkpoint_like_the_record() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        lockstep.report({}, checkpoint=Checkpoint.from_directory(folder), checkpoint_dir_name="lockstep_run.json")
+
+
+def test_checkpoint_names_cannot_clobber_the_run_record(storage_path: str) -> None:
+    with pytest.raises(TrainingFailedError, match="must be a plain folder name"):
+        TorchTrainer(name_a_checkpoint_like_the_record, run_config=RunConfig(storage_path=storage_path)).fit()

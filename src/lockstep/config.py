@@ -16,7 +16,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_STORAGE_PATH = "~/lockstep_results"
@@ -171,7 +171,7 @@ class RunConfig:
         storage_filesystem: An fsspec filesystem to use with ``storage_path``.
         failure_config: Restart policy, see :class:`FailureConfig`.
         checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
-        callbacks: Objects notified of reports and of the run's end.
+        callbacks: Accepted for Ray Train compatibility; not called yet.
         verbose: Accepted for Ray Train compatibility; lockstep logs through ``logging``.
     """
 
@@ -205,7 +205,7 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    """How ``datasets=`` are split across workers (accepted for compatibility).
+    """How ``datasets=`` are split across workers.
 
     Args:
         datasets_to_split: ``"all"`` or the names of the datasets to shard; the others are
@@ -214,12 +214,19 @@ class DataConfig:
 
     datasets_to_split: Literal["all"] | list[str] = "all"
 
+    def __post_init__(self) -> None:
+        valid = self.datasets_to_split == "all" or (
+            isinstance(self.datasets_to_split, (list, tuple)) and all(isinstance(n, str) for n in self.datasets_to_split)
+        )
+        if not valid:
+            raise ValueError(
+                f"DataConfig.datasets_to_split must be 'all' or a list of dataset names, got {self.datasets_to_split!r}."
+            )
+
     def should_split(self, name: str) -> bool:
         """Whether dataset ``name`` is sharded across workers."""
         return self.datasets_to_split == "all" or name in self.datasets_to_split
 
-
-TrainLoopFn = Callable[..., Any]
 
 __all__ = [
     "CheckpointConfig",

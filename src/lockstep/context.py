@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep._internal import protocol
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.storage import RESERVED_NAMES, RunStorage
 from lockstep.checkpoint import Checkpoint
 from lockstep.errors import SessionNotActiveError
 
@@ -51,7 +51,7 @@ class TrainContext:
     experiment_name: str
     storage: RunStorage
     metadata: dict[str, Any] = field(default_factory=dict)
-    gpu_ids: tuple[int, ...] = ()
+    gpu_ids: tuple[str, ...] = ()
 
     def get_world_rank(self) -> int:
         """This worker's rank among all workers (0 … world_size-1)."""
@@ -156,6 +156,7 @@ class WorkerSession:
         if upload_mode is CheckpointUploadMode.NO_UPLOAD:
             return "external", checkpoint.uri
         self._check_shared_storage()
+        self._channel.send(protocol.WritingCheckpoint(self.context.world_rank, dir_name))
         if upload_mode is CheckpointUploadMode.ASYNC:
             if self._uploader is None:
                 self._uploader = CheckpointUploader(self.context, self._channel)
@@ -264,10 +265,10 @@ def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
     if checkpoint_dir_name is None:
         return f"checkpoint_{index:06d}"
     name = str(checkpoint_dir_name)
-    if not name or "/" in name or "\\" in name or name.startswith("."):
+    if not name or "/" in name or "\\" in name or name.startswith(".") or name in RESERVED_NAMES:
         raise ValueError(
-            f"checkpoint_dir_name={checkpoint_dir_name!r} must be a plain folder name "
-            "(no '/', not starting with '.')."
+            f"checkpoint_dir_name={checkpoint_dir_name!r} must be a plain folder name (no '/', not starting "
+            f"with '.', not one of {', '.join(sorted(RESERVED_NAMES))})."
         )
     return name
 
@@ -321,6 +322,11 @@ def set_session(session: WorkerSession | None) -> None:
     """Install (or clear) this process's worker session. Called by the worker runtime."""
     global _session
     _session = session
+
+
+def current_session() -> WorkerSession | None:
+    """The session of the train function running in this process, or None outside one."""
+    return _session
 
 
 def active_session(caller: str) -> WorkerSession:

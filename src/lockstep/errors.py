@@ -11,7 +11,9 @@ class WorkerFailure:
 
     Attributes:
         rank: The world rank that failed.
-        error_type: The exception's class name, e.g. ``"ValueError"``, or ``"ProcessExit"``.
+        error_type: The exception's class name, e.g. ``"ValueError"``, or what lockstep saw:
+            ``"WorkerDied"`` (the process ended without a Python error), ``"ReportMismatch"``
+            (the rank returned while others waited in ``report()``), ``"CheckpointUploadError"``.
         message: The exception's message, or how the process ended.
         traceback: The worker's formatted traceback (empty when the process died without one).
     """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -52,13 +53,13 @@ class DataParallelTrainer:
         resume_from_checkpoint: Checkpoint | None = None,
     ) -> None:
         _check_train_fn(train_loop_per_worker)
-        _check_type("train_loop_config", train_loop_config, Mapping, "a dict")
-        _check_type("scaling_config", scaling_config, ScalingConfig, "a ScalingConfig")
-        _check_type("run_config", run_config, RunConfig, "a RunConfig")
-        _check_type("datasets", datasets, Mapping, "a dict of name -> dataset")
-        _check_type("dataset_config", dataset_config, DataConfig, "a DataConfig")
-        _check_type("metadata", metadata, Mapping, "a dict")
-        _check_type("resume_from_checkpoint", resume_from_checkpoint, Checkpoint, "a lockstep.Checkpoint")
+        check_type("train_loop_config", train_loop_config, Mapping, "a dict")
+        check_type("scaling_config", scaling_config, ScalingConfig, "a ScalingConfig")
+        check_type("run_config", run_config, RunConfig, "a RunConfig")
+        check_type("datasets", datasets, Mapping, "a dict of name -> dataset")
+        check_type("dataset_config", dataset_config, DataConfig, "a DataConfig")
+        check_type("metadata", metadata, Mapping, "a dict")
+        check_type("resume_from_checkpoint", resume_from_checkpoint, Checkpoint, "a lockstep.Checkpoint")
         self.train_loop_per_worker = train_loop_per_worker
         self.train_loop_config = dict(train_loop_config) if train_loop_config is not None else None
         self.backend_config = backend_config or BackendConfig()
@@ -68,6 +69,7 @@ class DataParallelTrainer:
         self.dataset_config = dataset_config or DataConfig()
         self.metadata = dict(metadata or {})
         self.resume_from_checkpoint = resume_from_checkpoint
+        _check_datasets(self.datasets, self.dataset_config, self.scaling_config.num_workers)
 
     def fit(self) -> Result:
         """Run the train function on every worker and wait for the run to end.
@@ -82,7 +84,7 @@ class DataParallelTrainer:
         """
         scaling = self.scaling_config
         make_group = make_group_factory(scaling)
-        name = self.run_config.name or f"{type(self).__name__}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+        name = self.run_config.name or default_run_name(type(self).__name__)
         storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
             storage = RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
@@ -122,6 +124,11 @@ class DataParallelTrainer:
         return build
 
 
+def default_run_name(trainer_name: str) -> str:
+    """``<Trainer>_<date>_<time>_<4 hex>``: sortable, and unique even for runs started in the same second."""
+    return f"{trainer_name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{uuid.uuid4().hex[:4]}"
+
+
 def _check_train_fn(train_fn: Any) -> None:
     if not callable(train_fn):
         raise TypeError(f"train_loop_per_worker must be a function, got {type(train_fn).__name__}.")
@@ -141,7 +148,29 @@ def _check_train_fn(train_fn: Any) -> None:
         )
 
 
-def _check_type(name: str, value: Any, expected: type, description: str) -> None:
+def _check_datasets(datasets: dict[str, Any], config: DataConfig, num_workers: int) -> None:
+    """Datasets to split must be map-style and hold at least one item per worker."""
+    for name, dataset in datasets.items():
+        if not config.should_split(name):
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(
+                f"datasets[{name!r}] is a {type(dataset).__name__}; only map-style datasets (with __len__ and "
+                "__getitem__) can be split across workers. Build a DataLoader inside the train function instead, "
+                "or leave it out of DataConfig.datasets_to_split."
+            )
+        if len(dataset) < num_workers:
+            raise ValueError(
+                f"datasets[{name!r}] has {len(dataset)} items, fewer than num_workers={num_workers}: "
+                "some workers would get nothing. Use fewer workers or more data."
+            )
+        if len(dataset) % num_workers:
+            logger.info("datasets[%r]: the last %d items are left out so every worker gets %d.",
+                        name, len(dataset) % num_workers, len(dataset) // num_workers)
+
+
+def check_type(name: str, value: Any, expected: type, description: str) -> None:
+    """Raise ValueError unless ``value`` is None or an ``expected``."""
     if value is not None and not isinstance(value, expected):
         raise ValueError(f"{name} must be {description}, got {type(value).__name__}.")
 

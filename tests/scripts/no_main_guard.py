@@ -22,6 +22,8 @@ training_data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
 
 
 def train_func(config):
+    if os.environ.get("FAIL_IN_TRAIN"):
+        raise RuntimeError("failing on purpose in " + os.environ["FAIL_IN_TRAIN"])
     loader = train.torch.prepare_data_loader(DataLoader(training_data, batch_size=config["batch_size"]))
     model = train.torch.prepare_model(nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -42,6 +42,7 @@ class Attempt:
     failures: list[WorkerFailure] = field(default_factory=list)
     uploads: dict[int, "PendingCheckpoint"] = field(default_factory=dict)
     uploaded_early: set[tuple[int, int]] = field(default_factory=set)
+    written_dir_names: set[str] = field(default_factory=set)
     return_value: Any = None
 
     @property
@@ -145,6 +146,8 @@ class Controller:
                     self._handle(event, attempt, group)
         finally:
             group.stop()
+        if attempt.failures:
+            self.recorder.discard_uncommitted(attempt.written_dir_names)
         return attempt
 
     def _handle(self, event: Any, attempt: Attempt, group: WorkerGroup) -> None:
@@ -152,6 +155,8 @@ class Controller:
             self._on_report(event, attempt, group)
         elif isinstance(event, protocol.CheckpointUploaded):
             self._on_uploaded(event, attempt)
+        elif isinstance(event, protocol.WritingCheckpoint):
+            attempt.written_dir_names.add(event.dir_name)
         elif isinstance(event, protocol.Hello):
             self._on_hello(event, attempt)
         elif isinstance(event, protocol.Finished):

@@ -8,7 +8,9 @@ object that can't be pickled is reported to the user at once.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,6 +42,14 @@ class WorkerPayload:
     datasets: dict[str, Any] = field(default_factory=dict)
     dataset_config: DataConfig = field(default_factory=DataConfig)
     metadata: dict[str, Any] = field(default_factory=dict)
+    main_file: str | None = field(default_factory=lambda: _main_file())
+
+
+def _main_file() -> str | None:
+    """The path of the user's script, when the driver runs one."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return os.path.abspath(path) if path else None
 
 
 def serialize_payload(payload: WorkerPayload) -> bytes:

@@ -1,7 +1,8 @@
 """Messages between the driver and its workers, and the authenticated socket that carries them.
 
 Every executor (local processes, Ray actors, …) uses this same channel: a worker connects
-back to the driver, says who it is, receives its payload, and then talks in the messages below.
+back to the driver, says who it is, and then talks in the messages below. (How the payload
+reaches a worker is the executor's business.)
 The driver answers each ``Report`` only when every rank has sent it, which makes ``report()``
 a barrier without any polling.
 """
@@ -53,6 +54,15 @@ class Report:
 
 
 @dataclass(frozen=True)
+class WritingCheckpoint:
+    """A rank is about to write files into checkpoint folder ``dir_name`` (so that the driver
+    can remove the folder if the attempt fails before the checkpoint is committed)."""
+
+    rank: int
+    dir_name: str
+
+
+@dataclass(frozen=True)
 class CheckpointUploaded:
     """A rank's ASYNC upload for report ``index`` ended (``error`` says why it failed)."""
 
@@ -87,9 +97,6 @@ class ReportDone:
 
     index: int
     latest_checkpoint: str | None
-
-
-WorkerMessage = Hello | Report | CheckpointUploaded | Finished | Failed
 
 
 # -- the channel ---------------------------------------------------------------------------------

@@ -46,11 +46,11 @@ class RunRecorder:
         """Refuse to continue a run whose record names a checkpoint that is gone.
 
         Raises:
-            FileNotFoundError: the latest checkpoint's folder is missing.
+            ValueError: the latest checkpoint's folder is missing.
         """
         latest = self.latest_checkpoint
         if latest is not None and not latest.filesystem.exists(latest.path):
-            raise FileNotFoundError(
+            raise ValueError(
                 f"The run {self.storage.display_path} lists {self.checkpoints[-1].dir_name} as its latest "
                 f"checkpoint, but {latest.path} is missing. Restore that folder, or start a new run (another "
                 "RunConfig.name, or delete the run folder)."
@@ -71,6 +71,12 @@ class RunRecorder:
         removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
         if removed:
             logger.info("Removed unfinished checkpoint folders of an earlier attempt: %s", ", ".join(removed))
+
+    def discard_uncommitted(self, dir_names: set[str]) -> None:
+        """Delete the folders of checkpoints a failed attempt began but never committed, so a
+        restart doesn't mix its files with theirs."""
+        for name in sorted(dir_names - set(self.committed_dir_names)):
+            self.storage.delete_checkpoint(name)
 
     @property
     def next_report_index(self) -> int:

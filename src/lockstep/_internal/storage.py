@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 RECORD_FILE = "lockstep_run.json"
 REPORTS_FILE = "reports.jsonl"
+RESERVED_NAMES = frozenset({RECORD_FILE, REPORTS_FILE})
 RECORD_FORMAT_VERSION = 1
 DEFAULT_CHECKPOINT_NAME = re.compile(r"^checkpoint_\d{6,}$")
 

@@ -14,12 +14,13 @@ import os
 import signal
 import sys
 import traceback
+import types
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from lockstep._internal.protocol import WorkerChannel
 
-ENV_PAYLOAD_PATH = "LOCKSTEP_PAYLOAD_PATH"
+ENV_PAYLOAD_FD = "LOCKSTEP_PAYLOAD_FD"
 ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
 PR_SET_PDEATHSIG = 1
 
@@ -27,7 +28,9 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when the driver dies (Linux), and exit now if it
     already has."""
-    driver_pid = os.environ.get("LOCKSTEP_DRIVER_PID")
+    from lockstep._internal.protocol import ENV_DRIVER_PID
+
+    driver_pid = os.environ.get(ENV_DRIVER_PID)
     if driver_pid is None or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -62,8 +65,8 @@ def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
     from lockstep.data import shard_datasets
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    with open(os.environ[ENV_PAYLOAD_PATH], "rb") as handle:
-        payload = cloudpickle.load(handle)
+    payload = cloudpickle.loads(_read_payload(int(os.environ[ENV_PAYLOAD_FD])))
+    restore_source_file(payload.train_fn, payload.main_file)
     context = TrainContext(
         world_rank=rank,
         world_size=int(os.environ["WORLD_SIZE"]),
@@ -73,7 +76,7 @@ def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
         experiment_name=payload.experiment_name,
         storage=payload.storage,
         metadata=payload.metadata,
-        gpu_ids=tuple(int(item) for item in os.environ.get(ENV_GPU_IDS, "").split(",") if item),
+        gpu_ids=tuple(item for item in os.environ.get(ENV_GPU_IDS, "").split(",") if item),
     )
     datasets = shard_datasets(payload.datasets, rank, context.world_size, payload.dataset_config.should_split)
     session = WorkerSession(
@@ -87,6 +90,40 @@ def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
     finally:
         payload.backend_config.on_worker_shutdown()
     return _pickled_return_value(value) if rank == 0 else None
+
+
+def _read_payload(inherited_fd: int) -> bytes:
+    """Read the driver's in-memory payload file (through a fresh file description, so ranks
+    don't share a read offset) and let go of it."""
+    with open(f"/proc/self/fd/{inherited_fd}", "rb") as handle:
+        data = handle.read()
+    os.close(inherited_fd)
+    return data
+
+
+def restore_source_file(train_fn: Callable[..., Any], main_file: str | None) -> None:
+    """Give the functions of the user's script their file name back, which cloudpickle replaces
+    with ``<dynamic-code>``, so tracebacks show the script's path and source lines."""
+    if main_file is None:
+        return
+    seen: set[int] = set()
+    candidates = [train_fn, *getattr(train_fn, "__globals__", {}).values()]
+    for candidate in candidates:
+        functions = [candidate] if inspect.isfunction(candidate) else []
+        if inspect.isclass(candidate):
+            functions = [member for member in vars(candidate).values() if inspect.isfunction(member)]
+        for function in functions:
+            if id(function) not in seen and function.__code__.co_filename == "<dynamic-code>":
+                seen.add(id(function))
+                function.__code__ = _with_filename(function.__code__, main_file)
+
+
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    constants = tuple(
+        _with_filename(constant, filename) if isinstance(constant, types.CodeType) else constant
+        for constant in code.co_consts
+    )
+    return code.replace(co_filename=filename, co_consts=constants)
 
 
 def call_train_fn(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> Any:
@@ -116,6 +153,7 @@ def describe_failure(rank: int, error: BaseException) -> Any:
     frames = error.__traceback__
     while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
         frames = frames.tb_next
+    frames = frames or error.__traceback__
     text = "".join(traceback.format_exception(type(error), error, frames))
     return WorkerFailure(rank=rank, error_type=type(error).__name__, message=str(error), traceback=text)
 

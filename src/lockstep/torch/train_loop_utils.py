@@ -6,14 +6,15 @@ import logging
 import os
 import random
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from lockstep import context as train_context
+from lockstep._internal.devices import cuda_visible_devices
+from lockstep.context import current_session
 
 logger = logging.getLogger(__name__)
 
@@ -23,25 +24,20 @@ PARALLEL_STRATEGIES = ("ddp", "fsdp", None)
 # -- devices -------------------------------------------------------------------------------------
 
 
-def _assigned_gpu_ids() -> tuple[int, ...]:
-    session = train_context._session
-    return session.context.gpu_ids if session is not None else ()
-
-
 def get_devices() -> list[torch.device]:
     """The devices of this worker: one ``cuda:i`` per GPU assigned to it, else ``[cpu]``.
 
     ``i`` is the GPU's position in ``CUDA_VISIBLE_DEVICES``, so the mapping is right even when
-    several workers share a node's GPU list.
+    several workers share a node's GPU list (and when GPUs are named by UUID).
     """
-    gpu_ids = _assigned_gpu_ids()
+    session = current_session()
+    gpu_ids = session.context.gpu_ids if session is not None else ()
     if not gpu_ids or not torch.cuda.is_available():
         return [torch.device("cpu")]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    visible_ids = [item.strip() for item in visible.split(",") if item.strip()]
-    if not visible_ids:
-        return [torch.device("cuda", gpu_id) for gpu_id in gpu_ids]
-    return [torch.device("cuda", visible_ids.index(str(gpu_id))) for gpu_id in gpu_ids]
+    visible = cuda_visible_devices()
+    if visible is None:
+        return [torch.device("cuda", int(gpu_id)) for gpu_id in gpu_ids]
+    return [torch.device("cuda", visible.index(gpu_id)) for gpu_id in gpu_ids]
 
 
 def get_device() -> torch.device:
@@ -51,7 +47,7 @@ def get_device() -> torch.device:
 
 def _world() -> tuple[int, int]:
     """(rank, world size) from the session, else from torch.distributed, else (0, 1)."""
-    session = train_context._session
+    session = current_session()
     if session is not None:
         return session.context.world_rank, session.context.world_size
     if dist.is_available() and dist.is_initialized():
@@ -61,14 +57,19 @@ def _world() -> tuple[int, int]:
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """``batch`` with every tensor in it (inside tuples, lists, dicts, named tuples) on ``device``."""
+    return _map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+
+def _map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` rebuilt with ``function`` applied to each tensor in it."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
+        return function(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({key: move_to_device(value, device, non_blocking) for key, value in batch.items()})
+        return type(batch)({key: _map_tensors(value, function) for key, value in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to_device(item, device, non_blocking) for item in batch))
+        return type(batch)(*(_map_tensors(item, function) for item in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(item, device, non_blocking) for item in batch)
+        return type(batch)(_map_tensors(item, function) for item in batch)
     return batch
 
 
@@ -97,26 +98,28 @@ def prepare_model(
     if parallel_strategy not in PARALLEL_STRATEGIES:
         raise ValueError(f"prepare_model: parallel_strategy={parallel_strategy!r}; choose 'ddp', 'fsdp' or None.")
     device = move_to_device if isinstance(move_to_device, torch.device) else get_device()
-    if parallel_strategy == "fsdp" and device.type == "cpu":
-        raise ValueError(
-            "prepare_model: parallel_strategy='fsdp' needs GPUs (torch's FSDP has no CPU mode); "
-            "use ScalingConfig(use_gpu=True), or parallel_strategy='ddp' on CPU."
-        )
     if move_to_device is not False:
         model = model.to(device)
     _, world_size = _world()
     if world_size <= 1 or parallel_strategy is None:
         return model
-    kwargs = dict(parallel_strategy_kwargs or {})
-    if parallel_strategy == "ddp":
+    return _wrap(model, device, parallel_strategy, dict(parallel_strategy_kwargs or {}))
+
+
+def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    if strategy == "ddp":
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device])
             kwargs.setdefault("output_device", device)
         return DistributedDataParallel(model, **kwargs)
+    if device.type == "cpu":
+        raise ValueError(
+            "prepare_model: parallel_strategy='fsdp' needs GPUs (torch's FSDP has no CPU mode); "
+            "use ScalingConfig(use_gpu=True), or parallel_strategy='ddp' on CPU."
+        )
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if device.type == "cuda":
-        kwargs.setdefault("device_id", device)
+    kwargs.setdefault("device_id", device)
     return FullyShardedDataParallel(model, **kwargs)
 
 
@@ -145,6 +148,8 @@ def prepare_data_loader(
     rank, world_size = _world()
     if add_dist_sampler and world_size > 1 and _needs_sampler(data_loader):
         data_loader = _with_distributed_sampler(data_loader, rank, world_size)
+    elif _reproducible_seed is not None and data_loader.batch_size is not None:
+        data_loader = DataLoader(data_loader.dataset, sampler=data_loader.sampler, **_loader_settings(data_loader))
     device = get_device()
     if move_to_device and device.type != "cpu":
         return DeviceDataLoader(data_loader, device, auto_transfer=auto_transfer)
@@ -157,7 +162,7 @@ def _needs_sampler(loader: DataLoader) -> bool:
     samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
     if any(isinstance(sampler, DistributedSampler) for sampler in samplers):
         return False
-    if loader.batch_size is None:
+    if loader.batch_size is None and loader.batch_sampler is not None:
         logger.warning(
             "prepare_data_loader: the loader has a custom batch_sampler (%s); it is left as it is, "
             "so each worker sees all of it. Shard it yourself or pass batch_size= instead.",
@@ -174,7 +179,9 @@ def _with_distributed_sampler(loader: DataLoader, rank: int, world_size: int) ->
             "pass add_dist_sampler=False to keep it.", type(loader.sampler).__name__,
         )
     shuffle = not isinstance(loader.sampler, SequentialSampler)
-    sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle)
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=_reproducible_seed or 0
+    )
     return DataLoader(loader.dataset, sampler=sampler, **_loader_settings(loader))
 
 
@@ -195,6 +202,9 @@ def _loader_settings(loader: DataLoader) -> dict[str, Any]:
     }
     if loader.num_workers > 0:
         settings["prefetch_factor"] = loader.prefetch_factor
+    if _reproducible_seed is not None:
+        settings["generator"] = loader.generator or torch.Generator().manual_seed(_reproducible_seed)
+        settings["worker_init_fn"] = _SeededWorkerInit(loader.worker_init_fn)
     if hasattr(loader, "in_order"):
         settings["in_order"] = loader.in_order
     return settings
@@ -245,30 +255,48 @@ def _handed_to(batch: Any, copied: torch.cuda.Event, main_stream: torch.cuda.Str
     """Make ``main_stream`` wait for the copy of ``batch`` (only that copy, not the next one),
     and tell the allocator its tensors are used there."""
     main_stream.wait_event(copied)
-    for tensor in _tensors(batch):
+
+    def used_on_main_stream(tensor: torch.Tensor) -> torch.Tensor:
         tensor.record_stream(main_stream)
-    return batch
+        return tensor
 
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for item in batch:
-            yield from _tensors(item)
+    return _map_tensors(batch, used_on_main_stream)
 
 
 # -- reproducibility -----------------------------------------------------------------------------
 
 
+_reproducible_seed: int | None = None
+
+
+class _SeededWorkerInit:
+    """A data-loader ``worker_init_fn`` that seeds numpy and random from torch's per-worker
+    seed, then calls the user's own function."""
+
+    def __init__(self, user_init: Callable[[int], None] | None) -> None:
+        self.user_init = user_init
+
+    def __call__(self, worker_id: int) -> None:
+        seed = torch.initial_seed() % 2**32
+        random.seed(seed)
+        try:
+            import numpy
+
+            numpy.random.seed(seed)
+        except ImportError:
+            pass
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
 def enable_reproducibility(seed: int = 0) -> None:
-    """Seed torch, random and numpy, and make torch choose deterministic algorithms.
+    """Seed torch, random and numpy, make torch choose deterministic algorithms, and make
+    later :func:`prepare_data_loader` calls seed their shuffling and loader worker processes.
 
     Deterministic algorithms can be slower; some operations raise when they have none.
     """
+    global _reproducible_seed
+    _reproducible_seed = seed
     torch.manual_seed(seed)
     random.seed(seed)
     try:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DataConfig, RunConfig, ScalingConfig
 from lockstep.torch.config import TorchConfig
-from lockstep.trainer import DataParallelTrainer
+from lockstep.trainer import DataParallelTrainer, check_type
 
 
 class TorchTrainer(DataParallelTrainer):
@@ -48,8 +48,7 @@ class TorchTrainer(DataParallelTrainer):
         metadata: dict[str, Any] | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
     ) -> None:
-        if torch_config is not None and not isinstance(torch_config, TorchConfig):
-            raise ValueError(f"torch_config must be a TorchConfig, got {type(torch_config).__name__}.")
+        check_type("torch_config", torch_config, TorchConfig, "a TorchConfig")
         super().__init__(
             train_loop_per_worker,
             train_loop_config=train_loop_config,

@@ -55,9 +55,9 @@ def check_local_resources(spec: GroupSpec) -> None:
 
 
 def _check_gpus(spec: GroupSpec) -> None:
-    from lockstep._internal.executors.local import visible_gpu_ids
+    from lockstep._internal.devices import usable_gpu_ids
 
-    available = len(visible_gpu_ids())
+    available = len(usable_gpu_ids())
     needed = math.ceil(spec.num_workers * spec.gpus_per_worker)
     if needed > available:
         fits = int(available // spec.gpus_per_worker) if spec.gpus_per_worker else 0

@@ -14,14 +14,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lockstep._internal import protocol
+from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
-from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_PATH
+from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_FD
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +41,6 @@ def user_python_path() -> list[str]:
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
     entries = [os.path.abspath(entry or os.getcwd()) for entry in sys.path]
     return [entry for entry in dict.fromkeys(entries) if not any(entry.startswith(prefix) for prefix in prefixes)]
-
-
-def visible_gpu_ids() -> list[str]:
-    """The GPU ids this driver may use: its CUDA_VISIBLE_DEVICES, else all GPUs."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [item.strip() for item in visible.split(",") if item.strip()]
-    import torch
-
-    return [str(index) for index in range(torch.cuda.device_count())]
 
 
 def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
@@ -73,19 +63,20 @@ class LocalWorkerGroup(WorkerGroup):
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
         self._exit_handles: dict[int, int] = {}
         self._connections: dict[int, Connection] = {}
-        self._payload_path: str | None = None
+        self._payload_fd: int | None = None
 
     # -- start ---------------------------------------------------------------------------------
 
     def start(self, payload: bytes) -> None:
-        """Write the payload where workers read it, then start every rank."""
-        self._payload_path = _write_payload(payload)
+        """Put the payload in memory the workers inherit, then start every rank."""
+        self._payload_fd = _payload_in_memory(payload)
         master_port = find_free_port()
-        gpu_ids = visible_gpu_ids() if self.spec.use_gpu else []
+        gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
         for rank in range(self.spec.num_workers):
             env = self._worker_env(rank, master_port, gpu_ids)
             process = subprocess.Popen(
-                [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True
+                [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True,
+                pass_fds=[self._payload_fd],
             )
             self._processes[rank] = process
             self._exit_handles[rank] = os.pidfd_open(process.pid)
@@ -106,13 +97,12 @@ class LocalWorkerGroup(WorkerGroup):
             OMP_NUM_THREADS=str(max(1, int(self.spec.cpus_per_worker))),
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            **{ENV_PAYLOAD_PATH: self._payload_path or ""},
+            **{ENV_PAYLOAD_FD: str(self._payload_fd)},
             **self._listener.worker_env(),
         )
         if self.spec.use_gpu:
             slots = gpu_slots(rank, self.spec.gpus_per_worker)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids[slot] for slot in slots)
-            env[ENV_GPU_IDS] = ",".join(gpu_ids[slot] for slot in slots)
+            env["CUDA_VISIBLE_DEVICES"] = env[ENV_GPU_IDS] = ",".join(gpu_ids[slot] for slot in slots)
         return env
 
     # -- events --------------------------------------------------------------------------------
@@ -196,15 +186,16 @@ class LocalWorkerGroup(WorkerGroup):
             connection.close()
         self._connections.clear()
         self._listener.close()
-        if self._payload_path is not None:
-            os.unlink(self._payload_path)
-            self._payload_path = None
+        if self._payload_fd is not None:
+            os.close(self._payload_fd)
+            self._payload_fd = None
 
 
-def _write_payload(payload: bytes) -> str:
-    """Put the payload in a private file, in memory-backed /dev/shm when there is one."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    handle, path = tempfile.mkstemp(prefix="lockstep_payload_", dir=folder)
-    with os.fdopen(handle, "wb") as file:
-        file.write(payload)
-    return path
+def _payload_in_memory(payload: bytes) -> int:
+    """An anonymous in-memory file holding the payload. The kernel frees it when the last
+    process holding it ends, so nothing is left behind even if the driver is killed."""
+    handle = os.memfd_create("lockstep_payload", os.MFD_CLOEXEC)
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(handle, view):]
+    return handle
