@@ -89,3 +89,13 @@ def test_workers_die_with_a_killed_driver(tmp_path: Path) -> None:
     while tagged_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert tagged_processes() == [], "workers outlived their driver"
+
+
+@pytest.mark.timeout(150)
+def test_seed_003_script_runs_after_an_import_swap(tmp_path: Path, data_dir: Path) -> None:
+    completed = run_script([str(SCRIPTS / "seed_003_lockstep.py"), "--num-workers", "2"], 140,
+                           LOCKSTEP_DATA=str(data_dir), HOME=str(tmp_path))
+    assert "Test Error:" in completed.stdout and "Accuracy:" in completed.stdout
+    assert "Last result: {'loss': " in completed.stdout
+    runs = list((tmp_path / "lockstep_results").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("TorchTrainer_")
