@@ -99,3 +99,29 @@ def test_seed_003_script_runs_after_an_import_swap(tmp_path: Path, data_dir: Pat
     assert "Last result: {'loss': " in completed.stdout
     runs = list((tmp_path / "lockstep_results").iterdir())
     assert len(runs) == 1 and runs[0].name.startswith("TorchTrainer_")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from conftest import tagged_processes
+
+    run = tmp_path / "results" / "forever"
+    driver = subprocess.Popen([sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")],
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (run / "reports.jsonl").exists() or not (run / "reports.jsonl").read_text().endswith("\n"):
+        assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
+        time.sleep(0.05)
+    interrupted_at = time.monotonic()
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=30)
+    assert driver.returncode != 0
+    assert "KeyboardInterrupt" in stderr
+    deadline = interrupted_at + 5
+    while tagged_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tagged_processes() == [], "workers still running 5 s after Ctrl-C"
+    assert json.loads((run / "lockstep_run.json").read_text())["status"] == "interrupted"

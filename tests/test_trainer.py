@@ -340,3 +340,24 @@ def name_a_checkpoint_like_the_record() -> None:
 def test_checkpoint_names_cannot_clobber_the_run_record(storage_path: str) -> None:
     with pytest.raises(TrainingFailedError, match="must be a plain folder name"):
         TorchTrainer(name_a_checkpoint_like_the_record, run_config=RunConfig(storage_path=storage_path)).fit()
+
+
+def one_rank_stuck_in_all_reduce() -> None:
+    if lockstep.get_context().get_world_rank() == 1:
+        dist.all_reduce(torch.ones(1))  # rank 0 never joins
+    lockstep.report({"x": 1})
+
+
+def test_a_rank_that_never_reports_is_failed_with_every_stack(storage_path: str) -> None:
+    trainer = TorchTrainer(
+        one_rank_stuck_in_all_reduce, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(report_timeout_s=2)),
+    )
+    with pytest.raises(TrainingFailedError) as caught:
+        trainer.fit()
+    message = str(caught.value)
+    assert "rank 1: ReportTimeout: did not call report #0 within 2 s while rank(s) 0 waited in it" in message
+    assert "rank 1 was still running, here:" in message
+    stack_of_rank_1 = message.split("rank 1 was still running, here:")[1]
+    assert "in all_reduce" in stack_of_rank_1 and "in one_rank_stuck_in_all_reduce" in stack_of_rank_1
+    assert "rank 0 was still running, here:" in message

@@ -111,11 +111,21 @@ class FailureConfig:
     Args:
         max_failures: How many times to restart the worker group from the latest checkpoint
             before ``fit()`` gives up; ``-1`` means without limit.
+        report_timeout_s: How long ranks may wait in ``report()`` for a rank that hasn't called
+            it yet before that rank is failed (a lockstep addition; None waits forever).
     """
 
     max_failures: int = 0
+    report_timeout_s: float | None = 1800.0
 
     def __post_init__(self) -> None:
+        if self.report_timeout_s is not None and (
+            isinstance(self.report_timeout_s, bool) or not isinstance(self.report_timeout_s, (int, float))
+            or self.report_timeout_s <= 0
+        ):
+            raise ValueError(
+                f"FailureConfig.report_timeout_s must be a number of seconds > 0 or None, got {self.report_timeout_s!r}."
+            )
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < -1:
             raise ValueError(
                 f"FailureConfig.max_failures must be an int >= 0, or -1 for no limit; got {self.max_failures!r}."

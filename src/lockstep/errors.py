@@ -44,11 +44,15 @@ class TrainingFailedError(RuntimeError):
         return (type(self), (self.args[0], self.failures))
 
     @classmethod
-    def from_failures(cls, failures: list[WorkerFailure], context: str = "") -> "TrainingFailedError":
-        """Build the error shown to the user from the failures of one attempt."""
+    def from_failures(
+        cls, failures: list[WorkerFailure], context: str = "", stacks: dict[int, str] | None = None
+    ) -> "TrainingFailedError":
+        """Build the error shown to the user from the failures of one attempt, with the Python
+        stacks of the ranks that were still running (where they were stuck)."""
         ranks = ", ".join(str(failure.rank) for failure in failures)
         lines = [f"Training failed on rank {ranks}{context}."]
         lines += [failure.describe() for failure in failures]
+        lines += [f"rank {rank} was still running, here:\n{stack.rstrip()}" for rank, stack in sorted((stacks or {}).items())]
         return cls("\n\n".join(lines), {failure.rank: failure for failure in failures})
 
 

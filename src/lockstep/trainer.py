@@ -99,6 +99,7 @@ class DataParallelTrainer:
         controller = Controller(
             make_group, build_payload, recorder, scaling.num_workers,
             self.run_config.failure_config.max_failures, self.resume_from_checkpoint,
+            self.run_config.failure_config.report_timeout_s,
         )
         return controller.run(first_payload)
 

@@ -43,6 +43,8 @@ class Attempt:
     uploads: dict[int, "PendingCheckpoint"] = field(default_factory=dict)
     uploaded_early: set[tuple[int, int]] = field(default_factory=set)
     written_dir_names: set[str] = field(default_factory=set)
+    report_waiting_since: dict[int, float] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
     return_value: Any = None
 
     @property
@@ -75,6 +77,7 @@ class Controller:
         world_size: int,
         max_failures: int,
         start_checkpoint: Checkpoint | None = None,
+        report_timeout_s: float | None = None,
     ) -> None:
         self.make_group = make_group
         self.build_payload = build_payload
@@ -82,6 +85,7 @@ class Controller:
         self.world_size = world_size
         self.max_failures = max_failures
         self.start_checkpoint = start_checkpoint
+        self.report_timeout_s = report_timeout_s
         self.failure_history: list[TrainingFailedError] = []
 
     def run(self, first_payload: bytes) -> Result:
@@ -94,7 +98,7 @@ class Controller:
                     assert not attempt.uploads, f"uploads still pending after every rank finished: {attempt.uploads}"
                     self.recorder.finish("finished")
                     return self.recorder.result(attempt.return_value)
-                error = TrainingFailedError.from_failures(attempt.failures, self._failure_context())
+                error = TrainingFailedError.from_failures(attempt.failures, self._failure_context(), attempt.stacks)
                 self.failure_history.append(error)
                 if not self._may_restart():
                     raise self._final_error(error)
@@ -142,8 +146,12 @@ class Controller:
         try:
             group.start(payload)
             while not attempt.over:
-                for event in group.wait_events(None):
+                events = group.wait_events(self._time_to_report_deadline(attempt))
+                for event in events:
                     self._handle(event, attempt, group)
+                self._check_report_deadline(attempt)
+            if attempt.failures:
+                attempt.stacks = group.dump_stacks(self._ranks_still_running(attempt))
         finally:
             group.stop()
         if attempt.failures:
@@ -171,14 +179,43 @@ class Controller:
         if len(attempt.connected) == self.world_size:
             logger.debug("%d worker processes connected in %.2f s.", self.world_size, time.monotonic() - attempt.started_at)
 
+    def _time_to_report_deadline(self, attempt: Attempt) -> float | None:
+        if self.report_timeout_s is None or not attempt.report_waiting_since:
+            return None
+        oldest = min(attempt.report_waiting_since.values())
+        return max(0.0, oldest + self.report_timeout_s - time.monotonic())
+
+    def _check_report_deadline(self, attempt: Attempt) -> None:
+        """Fail ranks that left others waiting in report() for longer than the timeout."""
+        if self.report_timeout_s is None or attempt.failures:
+            return
+        for index, since in attempt.report_waiting_since.items():
+            if time.monotonic() - since < self.report_timeout_s:
+                continue
+            calls = attempt.pending_reports[index]
+            waiting = ", ".join(str(rank) for rank in sorted(calls))
+            attempt.failures += [
+                WorkerFailure(rank, "ReportTimeout",
+                              f"did not call report #{index} within {self.report_timeout_s:g} s while rank(s) "
+                              f"{waiting} waited in it (FailureConfig.report_timeout_s).")
+                for rank in range(self.world_size) if rank not in calls
+            ]
+            return
+
+    def _ranks_still_running(self, attempt: Attempt) -> list[int]:
+        failed = {failure.rank for failure in attempt.failures if failure.error_type != "ReportTimeout"}
+        return [rank for rank in range(self.world_size) if rank not in attempt.exited and rank not in failed]
+
     def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
         attempt.reports_made[report.rank] = report.index + 1
         calls = attempt.pending_reports.setdefault(report.index, {})
+        attempt.report_waiting_since.setdefault(report.index, time.monotonic())
         calls[report.rank] = report
         if len(calls) < self.world_size:
             self._check_no_rank_left(attempt)
             return
         del attempt.pending_reports[report.index]
+        del attempt.report_waiting_since[report.index]
         self._record(report.index, calls, attempt)
         latest = self.recorder.latest_checkpoint
         done = protocol.ReportDone(report.index, latest.path if latest is not None else None)

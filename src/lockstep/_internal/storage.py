@@ -136,7 +136,8 @@ def upload_directory(local_dir: str, filesystem: fsspec.AbstractFileSystem, dest
     for root, _, files in os.walk(local_dir):
         relative = os.path.relpath(root, local_dir)
         target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
-        filesystem.makedirs(target, exist_ok=True)
+        if not _is_object_store(filesystem):
+            filesystem.makedirs(target, exist_ok=True)
         for name in files:
             filesystem.put_file(os.path.join(root, name), join(target, name))
 
@@ -256,7 +257,8 @@ class RunStorage:
                 handle.write(data)
             os.replace(temporary, target)
         else:
-            self.filesystem.makedirs(self.run_path, exist_ok=True)
+            if not _is_object_store(self.filesystem):
+                self.filesystem.makedirs(self.run_path, exist_ok=True)
             self.filesystem.pipe_file(target, data.encode())
 
     def read_record(self) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ It dies with the driver: if the driver is killed, the kernel kills this process 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import inspect
 import logging
 import os
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 ENV_PAYLOAD_FD = "LOCKSTEP_PAYLOAD_FD"
 ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
+ENV_STACK_FILE = "LOCKSTEP_STACK_FILE"
 PR_SET_PDEATHSIG = 1
 
 
@@ -39,9 +41,23 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def answer_stack_requests() -> None:
+    """On SIGUSR1, write every thread's Python stack to the file the driver reads (used to show
+    where each rank was when the run failed or hung)."""
+    path = os.environ.get(ENV_STACK_FILE)
+    if path:
+        global _stack_file
+        _stack_file = open(path, "w")  # noqa: SIM115 - must stay open for the signal handler
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+_stack_file: Any = None
+
+
 def main() -> None:
     """Run one rank of the job and exit."""
     die_with_parent()
+    answer_stack_requests()
     from lockstep._internal import protocol
 
     rank = int(os.environ["RANK"])

@@ -46,6 +46,10 @@ class WorkerGroup(abc.ABC):
     def send(self, rank: int, message: Any) -> None:
         """Send one driver message to a rank."""
 
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The current Python stack of each rank in ``ranks`` (those that can tell)."""
+        return {}
+
     @abc.abstractmethod
     def stop(self) -> None:
         """Kill every worker and whatever it started; idempotent."""

@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -21,11 +24,12 @@ from typing import Any
 from lockstep._internal import protocol
 from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
-from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_FD
+from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_FD, ENV_STACK_FILE
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+STACK_DUMP_WAIT_S = 2.0
 
 
 def find_free_port(host: str = LOOPBACK) -> int:
@@ -64,6 +68,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._exit_handles: dict[int, int] = {}
         self._connections: dict[int, Connection] = {}
         self._payload_fd: int | None = None
+        self._stack_dir = tempfile.mkdtemp(prefix="lockstep_stacks_")
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class LocalWorkerGroup(WorkerGroup):
             OMP_NUM_THREADS=str(max(1, int(self.spec.cpus_per_worker))),
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            **{ENV_PAYLOAD_FD: str(self._payload_fd)},
+            **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FILE: self._stack_file(rank)},
             **self._listener.worker_env(),
         )
         if self.spec.use_gpu:
@@ -168,6 +173,26 @@ class LocalWorkerGroup(WorkerGroup):
         except OSError:
             self._forget(connection)
 
+    # -- diagnostics ---------------------------------------------------------------------------
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.txt")
+
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each rank (SIGUSR1 → faulthandler) where it is, and wait up to 2 s for the answers."""
+        asked = [rank for rank in ranks if self._processes[rank].poll() is None]
+        for rank in asked:
+            os.kill(self._processes[rank].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        stacks: dict[int, str] = {}
+        while len(stacks) < len(asked) and time.monotonic() < deadline:
+            for rank in asked:
+                text = _read_if_any(self._stack_file(rank))
+                if text and rank not in stacks:
+                    stacks[rank] = _without_plumbing(text)
+            time.sleep(0.01)
+        return stacks
+
     # -- stop ----------------------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -189,6 +214,23 @@ class LocalWorkerGroup(WorkerGroup):
         if self._payload_fd is not None:
             os.close(self._payload_fd)
             self._payload_fd = None
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
+
+
+PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connection.py")
+
+
+def _without_plumbing(stack: str) -> str:
+    """A faulthandler dump without the frames of lockstep's worker runtime and socket reads."""
+    return "\n".join(line for line in stack.splitlines() if not any(part in line for part in PLUMBING))
+
+
+def _read_if_any(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _payload_in_memory(payload: bytes) -> int:
