@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     result = trainer.fit()
 
     with result.checkpoint.as_directory() as checkpoint_dir:
-        model_state_dict = torch.load(os.path.join(checkpoint_dir, "model.pt"))
+        model_state_dict = torch.load(os.path.join(checkpoint_dir, "model.pt"), weights_only=True)
     model = build_model()
     model.load_state_dict(model_state_dict)
     accuracy = evaluate(model, args.data_dir, limit // 2 if limit else None)

@@ -145,3 +145,36 @@ def test_best_checkpoint_selection(tmp_path: Path) -> None:
     assert result.get_best_checkpoint("acc", "min") == low
     with pytest.raises(ValueError, match="loss"):
         result.get_best_checkpoint("loss", "max")
+
+
+def test_metrics_are_checked_and_converted() -> None:
+    import numpy
+    import torch
+
+    from lockstep.context import encode_metrics
+
+    assert json.loads(encode_metrics({"loss": torch.tensor(0.5), "acc": numpy.float32(0.25), "nested": {"a": [1]}})) == {
+        "loss": 0.5, "acc": 0.25, "nested": {"a": [1]}}
+    with pytest.raises(TypeError, match="takes a dict of metrics, got list"):
+        encode_metrics([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"metric names must be strings, got the key 3"):
+        encode_metrics({3: 1.0})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="metric 'weights' is a Tensor"):
+        encode_metrics({"weights": torch.ones(3)})
+
+
+def test_unpicklable_objects_are_named() -> None:
+    import threading
+
+    from lockstep._internal.payload import WorkerPayload, serialize_payload
+    from lockstep.backend import BackendConfig
+
+    lock = threading.Lock()
+
+    def train() -> None:
+        with lock:
+            pass
+
+    payload = WorkerPayload(train, None, BackendConfig(), False, RunStorage("/tmp/x"), "x", 0, None)
+    with pytest.raises(TypeError, match="the variable 'lock' captured by the train function can't be sent"):
+        serialize_payload(payload)

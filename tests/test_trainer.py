@@ -170,6 +170,8 @@ def test_failure_restarts_from_latest_checkpoint(storage_path: str, tmp_path: Pa
     assert result.return_value == 2
     assert list(result.metrics_dataframe["step"]) == [0, 1, 2]
     assert list(result.metrics_dataframe["report_index"]) == [0, 1, 2]
+    assert result.num_failures == 1
+    assert Result.from_path(result.path).num_failures == 1
 
 
 def test_resume_from_checkpoint_is_visible_on_every_rank(storage_path: str, tmp_path: Path) -> None:
@@ -361,3 +363,85 @@ def test_a_rank_that_never_reports_is_failed_with_every_stack(storage_path: str)
     stack_of_rank_1 = message.split("rank 1 was still running, here:")[1]
     assert "in all_reduce" in stack_of_rank_1 and "in one_rank_stuck_in_all_reduce" in stack_of_rank_1
     assert "rank 0 was still running, here:" in message
+
+
+def sigkill_rank_one() -> None:
+    import signal
+
+    lockstep.report({"before": 1})
+    if lockstep.get_context().get_world_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    lockstep.report({"after": 1})
+
+
+def test_a_sigkilled_worker_fails_the_run_with_the_cause(storage_path: str) -> None:
+    trainer = TorchTrainer(sigkill_rank_one, scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(storage_path=storage_path))
+    with pytest.raises(TrainingFailedError, match=r"rank 1: WorkerDied: the worker process was killed by SIGKILL"):
+        trainer.fit()
+
+
+def test_requests_no_machine_here_can_meet_are_refused() -> None:
+    cpus = os.cpu_count()
+    with pytest.raises(ValueError, match=rf"asks for {cpus + 1} CPUs per worker; this machine has {cpus}"):
+        TorchTrainer(report_identity, scaling_config=ScalingConfig(
+            num_workers=1, resources_per_worker={"CPU": cpus + 1})).fit()
+    with pytest.raises(ValueError, match="GiB of memory per worker"):
+        TorchTrainer(report_identity, scaling_config=ScalingConfig(
+            num_workers=1, resources_per_worker={"memory": 2**50})).fit()
+
+
+def report_many() -> dict:
+    def rss_kib() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+
+    for index in range(200):
+        lockstep.report({"index": index, "loss": 1.0 / (index + 1)})
+    before = rss_kib()
+    for index in range(1000):
+        lockstep.report({"index": index, "loss": 1.0 / (index + 1)})
+    return {"worker_growth_kib": rss_kib() - before}
+
+
+def test_soak_a_thousand_reports_keep_memory_flat(storage_path: str) -> None:
+    import resource
+
+    result = TorchTrainer(report_many, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=storage_path)).fit()
+    growth = result.return_value["worker_growth_kib"]
+    print(f"worker RSS growth over 1,000 reports: {growth} KiB; driver peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss} KiB")
+    assert growth < 2048
+    assert len(result.metrics_dataframe) == 1200
+
+
+def print_then_die_on_rank_one() -> None:
+    import sys
+
+    rank = lockstep.get_context().get_world_rank()
+    print(f"hello from rank {rank}")
+    print(f"warning from rank {rank}", file=sys.stderr)
+    lockstep.report({"x": 1})
+    if rank == 1:
+        print("rank 1 is about to vanish", file=sys.stderr, flush=True)
+        os._exit(7)
+    lockstep.report({"x": 2})
+
+
+@pytest.mark.parametrize("mode", ["rank0", "all"])
+def test_worker_output_goes_to_log_files_and_the_console(storage_path: str, mode: str, capfd: pytest.CaptureFixture) -> None:
+    trainer = TorchTrainer(print_then_die_on_rank_one, scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="logs", storage_path=storage_path, worker_output=mode))
+    with pytest.raises(TrainingFailedError) as caught:
+        trainer.fit()
+    logs = Path(storage_path, "logs", "logs")
+    assert "hello from rank 1" in (logs / "rank_1.log").read_text()
+    assert "warning from rank 0" in (logs / "rank_0.log").read_text()
+    assert "exited with code 7" in str(caught.value)
+    assert "rank 1 is about to vanish" in str(caught.value) and str(logs / "rank_1.log") in str(caught.value)
+    console = capfd.readouterr()
+    if mode == "rank0":
+        assert "hello from rank 0" in console.out and "hello from rank 1" not in console.out
+    else:
+        assert "(rank 1) hello from rank 1" in console.out and "(rank 0) warning from rank 0" in console.err

@@ -183,6 +183,9 @@ class RunConfig:
         checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
         callbacks: Accepted for Ray Train compatibility; not called yet.
         verbose: Accepted for Ray Train compatibility; lockstep logs through ``logging``.
+        worker_output: Which workers' printed output the console shows: ``"rank0"`` (default),
+            ``"all"`` (each line prefixed with its rank) or ``"none"``. Every rank's output also
+            goes to ``<run folder>/logs/rank_<r>.log`` (a lockstep addition).
     """
 
     name: str | None = None
@@ -192,6 +195,7 @@ class RunConfig:
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: list[Any] = field(default_factory=list)
     verbose: int | None = None
+    worker_output: Literal["rank0", "all", "none"] = "rank0"
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -211,6 +215,8 @@ class RunConfig:
         if not isinstance(self.checkpoint_config, CheckpointConfig):
             raise ValueError(f"RunConfig.checkpoint_config must be a CheckpointConfig, got {self.checkpoint_config!r}.")
         self.callbacks = list(self.callbacks or [])
+        if self.worker_output not in ("rank0", "all", "none"):
+            raise ValueError(f"RunConfig.worker_output must be 'rank0', 'all' or 'none', got {self.worker_output!r}.")
 
 
 @dataclass

@@ -131,8 +131,8 @@ class WorkerSession:
         self._channel.send(message)
         done = self._channel.recv()
         self._next_report_index = index + 1
-        if done.latest_checkpoint is not None:
-            self._checkpoint = Checkpoint(done.latest_checkpoint, self.context.storage.filesystem)
+        if done.new_latest_checkpoint is not None:
+            self._checkpoint = done.new_latest_checkpoint
 
     def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
         name = _checked_dir_name(checkpoint_dir_name, index)

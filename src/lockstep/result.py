@@ -26,6 +26,7 @@ class Result:
         filesystem: The fsspec filesystem holding ``path``.
         best_checkpoints: ``[(Checkpoint, metrics)]`` for every kept checkpoint, oldest first.
         return_value: What rank 0's train function returned (only from ``fit()``).
+        num_failures: How many times the workers failed and were restarted (FailureConfig).
         metrics_history: Every report as a dict: ``report_index``, ``timestamp``,
             ``checkpoint_dir_name`` and the metrics.
     """
@@ -37,6 +38,7 @@ class Result:
     filesystem: Any = None
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     return_value: Any = None
+    num_failures: int = 0
     metrics_history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -96,6 +98,7 @@ def result_from_record(
         filesystem=run.filesystem,
         best_checkpoints=kept,
         return_value=return_value,
+        num_failures=int(record.get("num_failures", 0)),
         metrics_history=[history_row(report) for report in reports],
     )
 

@@ -83,11 +83,13 @@ class DataParallelTrainer:
                 before any worker starts.
         """
         scaling = self.scaling_config
-        make_group = make_group_factory(scaling)
         name = self.run_config.name or default_run_name(type(self).__name__)
         storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
             storage = RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
+        log_dir = storage.local_log_dir()
+        make_group = make_group_factory(scaling, log_dir, self.run_config.worker_output)
+        with storage_errors(storage_path):
             check_storage_path(storage_path, storage)
             recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers)
             recorder.check_resumable()
@@ -101,7 +103,10 @@ class DataParallelTrainer:
             self.run_config.failure_config.max_failures, self.resume_from_checkpoint,
             self.run_config.failure_config.report_timeout_s,
         )
-        return controller.run(first_payload)
+        try:
+            return controller.run(first_payload)
+        finally:
+            storage.upload_logs(log_dir)
 
     def _payload_builder(self, storage: RunStorage, recorder: RunRecorder) -> Callable[[int, Checkpoint | None], bytes]:
         def build(first_report_index: int, checkpoint: Checkpoint | None) -> bytes:

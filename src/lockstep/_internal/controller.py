@@ -45,6 +45,7 @@ class Attempt:
     written_dir_names: set[str] = field(default_factory=set)
     report_waiting_since: dict[int, float] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
+    latest_sent: Checkpoint | None = None
     return_value: Any = None
 
     @property
@@ -100,6 +101,7 @@ class Controller:
                     return self.recorder.result(attempt.return_value)
                 error = TrainingFailedError.from_failures(attempt.failures, self._failure_context(), attempt.stacks)
                 self.failure_history.append(error)
+                self.recorder.count_failure()
                 if not self._may_restart():
                     raise self._final_error(error)
                 logger.warning("%s\nRestarting the workers (failure %d of %s allowed).", error,
@@ -141,7 +143,7 @@ class Controller:
     # -- one attempt --------------------------------------------------------------------------
 
     def _run_attempt(self, payload: bytes) -> Attempt:
-        attempt = Attempt(self.world_size)
+        attempt = Attempt(self.world_size, latest_sent=self._resume_checkpoint())
         group = self.make_group()
         try:
             group.start(payload)
@@ -172,7 +174,7 @@ class Controller:
         elif isinstance(event, protocol.Failed):
             attempt.failures.append(event.failure)
         elif isinstance(event, WorkerExited):
-            self._on_exit(event, attempt)
+            self._on_exit(event, attempt, group)
 
     def _on_hello(self, hello: protocol.Hello, attempt: Attempt) -> None:
         attempt.connected.add(hello.rank)
@@ -218,7 +220,9 @@ class Controller:
         del attempt.report_waiting_since[report.index]
         self._record(report.index, calls, attempt)
         latest = self.recorder.latest_checkpoint
-        done = protocol.ReportDone(report.index, latest.path if latest is not None else None)
+        changed = latest if latest != attempt.latest_sent else None
+        attempt.latest_sent = latest
+        done = protocol.ReportDone(report.index, changed)
         for rank in range(self.world_size):
             group.send(rank, done)
 
@@ -288,13 +292,16 @@ class Controller:
                 ]
                 return
 
-    def _on_exit(self, exited: WorkerExited, attempt: Attempt) -> None:
+    def _on_exit(self, exited: WorkerExited, attempt: Attempt, group: WorkerGroup) -> None:
+        """A process ended; without a Finished or Failed message first, that is a failure, shown
+        with the last lines the rank wrote to stderr."""
         attempt.exited.add(exited.rank)
         failed_ranks = {failure.rank for failure in attempt.failures}
         if exited.rank not in attempt.finished and exited.rank not in failed_ranks:
-            attempt.failures.append(
-                WorkerFailure(exited.rank, "WorkerDied", f"the worker process {describe_exit(exited.returncode)}")
-            )
+            attempt.failures.append(WorkerFailure(
+                exited.rank, "WorkerDied", f"the worker process {describe_exit(exited.returncode)}",
+                group.output_tail(exited.rank),
+            ))
 
 
 def _short(metrics: dict[str, Any], limit: int = 200) -> str:

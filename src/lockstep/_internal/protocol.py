@@ -92,11 +92,11 @@ class Failed:
 
 @dataclass(frozen=True)
 class ReportDone:
-    """Every rank has made report ``index`` and it is recorded; ``latest_checkpoint`` is the
-    newest committed checkpoint (a path on the run's filesystem) at that moment."""
+    """Every rank has made report ``index`` and it is recorded. ``new_latest_checkpoint`` is
+    the newest committed checkpoint when it changed since the previous ReportDone, else None."""
 
     index: int
-    latest_checkpoint: str | None
+    new_latest_checkpoint: Any = None
 
 
 # -- the channel ---------------------------------------------------------------------------------

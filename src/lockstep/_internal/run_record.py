@@ -121,6 +121,11 @@ class RunRecorder:
                 self.storage.delete_checkpoint(old.dir_name)
         logger.debug("committed %s", dir_name)
 
+    def count_failure(self) -> None:
+        """One more failed attempt (kept in the record across resumed runs)."""
+        self.record["num_failures"] = int(self.record.get("num_failures", 0)) + 1
+        self._write_record()
+
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Mark the run finished, failed or interrupted. When storage itself is what failed,
         this is logged rather than raised, so the run's own error stays the one the user sees."""

@@ -244,6 +244,21 @@ class RunStorage:
         self.refresh()
         return self.filesystem.exists(self.path_of(RECORD_FILE))
 
+    # -- worker logs ---------------------------------------------------------------------------
+
+    def local_log_dir(self) -> str:
+        """Where worker output is written as it comes: the run folder's ``logs/`` on local disk,
+        else a local temporary folder uploaded by :meth:`upload_logs`."""
+        if is_local(self.filesystem):
+            return self.path_of("logs")
+        return make_temp_dir("lockstep_logs_")
+
+    def upload_logs(self, local_dir: str) -> None:
+        """Copy worker logs from a local folder into the run folder's ``logs/`` (remote storage)."""
+        if not is_local(self.filesystem):
+            upload_directory(local_dir, self.filesystem, self.path_of("logs"))
+            shutil.rmtree(local_dir, ignore_errors=True)
+
     # -- the record and the report history ----------------------------------------------------
 
     def write_record(self, record: dict[str, Any]) -> None:

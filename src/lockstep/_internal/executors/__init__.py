@@ -15,7 +15,9 @@ logger = logging.getLogger(__name__)
 LOCAL_RESOURCE_KEYS = ("CPU", "GPU", "memory")
 
 
-def make_group_factory(scaling: ScalingConfig) -> Callable[[], WorkerGroup]:
+def make_group_factory(
+    scaling: ScalingConfig, log_dir: str | None = None, console: str = "rank0"
+) -> Callable[[], WorkerGroup]:
     """A function that starts a fresh worker group for ``scaling`` (one call per attempt).
 
     Raises:
@@ -29,6 +31,8 @@ def make_group_factory(scaling: ScalingConfig) -> Callable[[], WorkerGroup]:
         gpus_per_worker=scaling.num_gpus_per_worker,
         use_gpu=scaling.use_gpu,
         resources_per_worker=scaling.worker_resources,
+        log_dir=log_dir,
+        console=console,
     )
     check_local_resources(spec)
     return lambda: LocalWorkerGroup(spec)
@@ -45,12 +49,30 @@ def check_local_resources(spec: GroupSpec) -> None:
         )
     if spec.use_gpu:
         _check_gpus(spec)
+    _check_fits_one_machine(spec)
     cpus = os.cpu_count() or 1
     wanted = spec.num_workers * spec.cpus_per_worker
     if wanted > cpus:
         logger.warning(
             "%d workers x %g CPUs = %g CPUs, but this machine has %d; they will share cores and run slower.",
             spec.num_workers, spec.cpus_per_worker, wanted, cpus,
+        )
+
+
+def _check_fits_one_machine(spec: GroupSpec) -> None:
+    """One worker asking for more CPUs or memory than this machine has can never run."""
+    cpus = os.cpu_count() or 1
+    if spec.cpus_per_worker > cpus:
+        raise ValueError(
+            f"resources_per_worker asks for {spec.cpus_per_worker:g} CPUs per worker; this machine has {cpus}: "
+            f"use resources_per_worker={{'CPU': {cpus}}} or less (or a Ray cluster with bigger nodes)."
+        )
+    memory = spec.resources_per_worker.get("memory", 0)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if memory > total:
+        raise ValueError(
+            f"resources_per_worker asks for {memory / 2**30:.1f} GiB of memory per worker; this machine has "
+            f"{total / 2**30:.1f} GiB: ask for less."
         )
 
 

@@ -25,6 +25,8 @@ class GroupSpec:
     gpus_per_worker: float
     use_gpu: bool
     resources_per_worker: dict[str, float]
+    log_dir: str | None = None
+    console: str = "rank0"
 
 
 class WorkerGroup(abc.ABC):
@@ -45,6 +47,10 @@ class WorkerGroup(abc.ABC):
     @abc.abstractmethod
     def send(self, rank: int, message: Any) -> None:
         """Send one driver message to a rank."""
+
+    def output_tail(self, rank: int) -> str:
+        """The last lines ``rank`` wrote to stderr, and where its full log is."""
+        return ""
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """The current Python stack of each rank in ``ranks`` (those that can tell)."""

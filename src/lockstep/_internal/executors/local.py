@@ -24,6 +24,7 @@ from typing import Any
 from lockstep._internal import protocol
 from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
+from lockstep._internal.worker_output import OutputRelay
 from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_FD, ENV_STACK_FILE
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._connections: dict[int, Connection] = {}
         self._payload_fd: int | None = None
         self._stack_dir = tempfile.mkdtemp(prefix="lockstep_stacks_")
+        self._output = OutputRelay(spec.log_dir, spec.console) if spec.log_dir else None
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -79,10 +81,13 @@ class LocalWorkerGroup(WorkerGroup):
         gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
         for rank in range(self.spec.num_workers):
             env = self._worker_env(rank, master_port, gpu_ids)
+            piped = subprocess.PIPE if self._output is not None else None
             process = subprocess.Popen(
                 [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True,
-                pass_fds=[self._payload_fd],
+                pass_fds=[self._payload_fd], stdout=piped, stderr=piped,
             )
+            if self._output is not None:
+                self._output.attach(rank, process.stdout, process.stderr)
             self._processes[rank] = process
             self._exit_handles[rank] = os.pidfd_open(process.pid)
         logger.debug("started %d worker processes", self.spec.num_workers)
@@ -175,6 +180,14 @@ class LocalWorkerGroup(WorkerGroup):
 
     # -- diagnostics ---------------------------------------------------------------------------
 
+    def output_tail(self, rank: int) -> str:
+        """The last lines ``rank`` wrote to stderr, and where its full log is."""
+        if self._output is None:
+            return ""
+        tail = self._output.stderr_tail(rank).rstrip()
+        where = f"(full output: {self._output.log_path(rank)})"
+        return f"{tail}\n{where}" if tail else where
+
     def _stack_file(self, rank: int) -> str:
         return os.path.join(self._stack_dir, f"rank{rank}.txt")
 
@@ -215,6 +228,8 @@ class LocalWorkerGroup(WorkerGroup):
             os.close(self._payload_fd)
             self._payload_fd = None
         shutil.rmtree(self._stack_dir, ignore_errors=True)
+        if self._output is not None:
+            self._output.close()
 
 
 PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connection.py")

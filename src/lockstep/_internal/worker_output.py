@@ -1,0 +1,85 @@
+"""Where workers' printed output goes: every rank's stdout and stderr into its own log file,
+and the chosen ranks' output to the driver's console as well."""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+from typing import IO, Literal
+
+ConsoleMode = Literal["rank0", "all", "none"]
+CONSOLE_MODES = ("rank0", "all", "none")
+TAIL_LINES = 20
+
+
+class OutputRelay:
+    """Copies each worker's output, as it comes (progress bars included), to
+    ``<log_dir>/rank_<r>.log`` and, for the shown ranks, to this process's stdout/stderr; with
+    ``console="all"`` each console line is prefixed with its rank."""
+
+    def __init__(self, log_dir: str, console: ConsoleMode) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.console = console
+        self._threads: list[threading.Thread] = []
+        self._files: dict[int, IO[bytes]] = {}
+        self._file_locks: dict[int, threading.Lock] = {}
+        self._stderr_tails: dict[int, collections.deque[bytes]] = {}
+
+    def log_path(self, rank: int) -> str:
+        """The log file of ``rank``."""
+        return os.path.join(self.log_dir, f"rank_{rank}.log")
+
+    def attach(self, rank: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        """Start copying one rank's two streams."""
+        self._files[rank] = open(self.log_path(rank), "ab")  # noqa: SIM115 - closed in close()
+        self._file_locks[rank] = threading.Lock()
+        self._stderr_tails[rank] = collections.deque(maxlen=TAIL_LINES)
+        for stream, console in ((stdout, sys.stdout), (stderr, sys.stderr)):
+            thread = threading.Thread(
+                target=self._copy, args=(rank, stream, console, stream is stderr), daemon=True,
+                name=f"lockstep-output-rank{rank}",
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _shown(self, rank: int) -> bool:
+        return self.console == "all" or (self.console == "rank0" and rank == 0)
+
+    def _copy(self, rank: int, stream: IO[bytes], console: IO[str], is_stderr: bool) -> None:
+        prefix = f"(rank {rank}) ".encode() if self.console == "all" else b""
+        at_line_start = True
+        while chunk := os.read(stream.fileno(), 65536):
+            with self._file_locks[rank]:
+                self._files[rank].write(chunk)
+                self._files[rank].flush()
+            if is_stderr:
+                self._stderr_tails[rank].extend(chunk.splitlines(keepends=True))
+            if self._shown(rank):
+                text, at_line_start = _prefixed(chunk, prefix, at_line_start)
+                console.buffer.write(text) if hasattr(console, "buffer") else console.write(text.decode(errors="replace"))
+                console.flush()
+        stream.close()
+
+    def stderr_tail(self, rank: int) -> str:
+        """The last lines ``rank`` wrote to stderr."""
+        return b"".join(self._stderr_tails.get(rank, ())).decode(errors="replace")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait for the streams to end (their processes are gone) and close the log files."""
+        for thread in self._threads:
+            thread.join(timeout_s)
+        for rank, handle in self._files.items():
+            with self._file_locks[rank]:
+                handle.close()
+
+
+def _prefixed(chunk: bytes, prefix: bytes, at_line_start: bool) -> tuple[bytes, bool]:
+    """``chunk`` with ``prefix`` at the start of each line; and whether it ended a line."""
+    if not prefix:
+        return chunk, chunk.endswith(b"\n")
+    lines = chunk.splitlines(keepends=True)
+    text = b"".join((prefix + line) if (index > 0 or at_line_start) else line for index, line in enumerate(lines))
+    return text, chunk.endswith(b"\n")
