@@ -86,13 +86,19 @@ def test_recorder_commits_and_result_reads_back(tmp_path: Path) -> None:
     assert result.error is None
 
 
-def test_unfinished_checkpoint_is_ignored_then_cleaned(tmp_path: Path) -> None:
+def _run_with_one_checkpoint(tmp_path: Path) -> RunStorage:
+    """A run folder whose record holds one committed checkpoint, checkpoint_000000."""
     storage = RunStorage.for_run(str(tmp_path), "run")
-    first = RunRecorder(storage, CheckpointConfig(), world_size=1)
-    first.open()
+    recorder = RunRecorder(storage, CheckpointConfig(), world_size=1)
+    recorder.open()
     Path(storage.checkpoint_path("checkpoint_000000")).mkdir()
-    first.log_report(0, "{}", "checkpoint_000000")
-    first.commit_checkpoint("checkpoint_000000", 0, {})
+    recorder.log_report(0, "{}", "checkpoint_000000")
+    recorder.commit_checkpoint("checkpoint_000000", 0, {})
+    return storage
+
+
+def test_unfinished_checkpoint_is_ignored_then_cleaned(tmp_path: Path) -> None:
+    storage = _run_with_one_checkpoint(tmp_path)
     half_written = Path(storage.checkpoint_path("checkpoint_000001"))
     half_written.mkdir()
     (half_written / "model.pt").write_bytes(b"trunc")
@@ -107,12 +113,7 @@ def test_unfinished_checkpoint_is_ignored_then_cleaned(tmp_path: Path) -> None:
 
 
 def test_missing_latest_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
-    storage = RunStorage.for_run(str(tmp_path), "run")
-    recorder = RunRecorder(storage, CheckpointConfig(), world_size=1)
-    recorder.open()
-    Path(storage.checkpoint_path("checkpoint_000000")).mkdir()
-    recorder.log_report(0, "{}", "checkpoint_000000")
-    recorder.commit_checkpoint("checkpoint_000000", 0, {})
+    storage = _run_with_one_checkpoint(tmp_path)
     Path(storage.checkpoint_path("checkpoint_000000")).rmdir()
     with pytest.raises(ValueError, match="checkpoint_000000 is missing. Restore that folder"):
         RunRecorder(storage, CheckpointConfig(), world_size=1).check_resumable()

@@ -445,3 +445,27 @@ def test_worker_output_goes_to_log_files_and_the_console(storage_path: str, mode
         assert "hello from rank 0" in console.out and "hello from rank 1" not in console.out
     else:
         assert "(rank 1) hello from rank 1" in console.out and "(rank 0) warning from rank 0" in console.err
+
+
+def stuck_in_a_collective_while_rank_zero_computes() -> None:
+    import time
+
+    if lockstep.get_context().get_world_rank() == 1:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(60)  # a long computation: rank 0 never reaches the collective in time
+    lockstep.report({"x": 1})
+
+
+def test_collective_timeout_names_the_rank_and_shows_where_the_other_was(storage_path: str) -> None:
+    trainer = TorchTrainer(
+        stuck_in_a_collective_while_rank_zero_computes, scaling_config=ScalingConfig(num_workers=2),
+        torch_config=lockstep.torch.TorchConfig(timeout_s=3), run_config=RunConfig(storage_path=storage_path),
+    )
+    with pytest.raises(TrainingFailedError) as caught:
+        trainer.fit()
+    message = str(caught.value)
+    assert message.startswith("Training failed on rank 1")
+    failure, stack_of_rank_0 = message.split("rank 0 was still running, here:")
+    assert "Timed out" in failure and "dist.all_reduce(torch.ones(1))" in failure
+    assert "in stuck_in_a_collective_while_rank_zero_computes" in stack_of_rank_0
