@@ -55,7 +55,7 @@ def test_two_ddp_workers_match_one_process_with_double_batch(storage_path: str) 
     reference = _fresh_model()
     _train(reference, DataLoader(_regression_data(), batch_size=2 * PER_WORKER_BATCH, shuffle=False), STEPS)
     untrained = list(_fresh_model().parameters())
-    for got, expected, start in zip(result.return_value, reference.parameters(), untrained):
+    for got, expected, start in zip(result.return_value, reference.parameters(), untrained, strict=True):
         assert not torch.allclose(expected, start)
         torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
 

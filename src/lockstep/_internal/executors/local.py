@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 STACK_DUMP_WAIT_S = 2.0
+STACK_DUMP_POLL_S = 0.05
 
 
 def find_free_port(host: str = LOOPBACK) -> int:
@@ -192,19 +193,22 @@ class LocalWorkerGroup(WorkerGroup):
         return os.path.join(self._stack_dir, f"rank{rank}.txt")
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Ask each rank (SIGUSR1 → faulthandler) where it is, and wait up to 2 s for the answers."""
+        """Ask each rank (SIGUSR1 → faulthandler) where it is. A dump counts once its file has
+        stopped growing (faulthandler writes it line by line); wait up to 2 s in all."""
         asked = [rank for rank in ranks if self._processes[rank].poll() is None]
         for rank in asked:
             os.kill(self._processes[rank].pid, signal.SIGUSR1)
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
-        stacks: dict[int, str] = {}
-        while len(stacks) < len(asked) and time.monotonic() < deadline:
+        seen: dict[int, str] = {}
+        complete: dict[int, str] = {}
+        while len(complete) < len(asked) and time.monotonic() < deadline:
+            time.sleep(STACK_DUMP_POLL_S)
             for rank in asked:
                 text = _read_if_any(self._stack_file(rank))
-                if text and rank not in stacks:
-                    stacks[rank] = _without_plumbing(text)
-            time.sleep(0.01)
-        return stacks
+                if text and text == seen.get(rank):
+                    complete[rank] = text
+                seen[rank] = text
+        return {rank: _without_plumbing(text) for rank, text in {**seen, **complete}.items() if text}
 
     # -- stop ----------------------------------------------------------------------------------
 

@@ -1,0 +1,66 @@
+"""A no-op lockstep (or Ray Train, ``--ray``) job for benchmarks/bench_jobs.py.
+
+With ``--calls 0`` (the default) each of the workers calls ``report()`` once and returns: the
+whole process then measures start-up and shut-down. With ``--calls N`` each worker makes
+``--warmup`` untimed and then N timed metrics-only ``report()`` calls; rank 0's per-call times
+are printed by the driver as one line ``BENCH_JSON {"report_s": [...]}``.
+
+    python benchmarks/jobs/noop_lockstep.py --num-workers 2 [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
+    from ray.train import RunConfig, ScalingConfig, get_context, report
+    from ray.train.torch import TorchTrainer
+else:
+    from lockstep import RunConfig, ScalingConfig, get_context, report
+    from lockstep.torch import TorchTrainer
+
+
+def train_func(config: dict[str, Any]) -> list[float] | None:
+    """Report once, or warm-up + N timed reports (rank 0 returns the N durations)."""
+    if config["calls"] == 0:
+        report({"done": 1})
+        return None
+    for step in range(config["warmup"]):
+        report({"step": step})
+    times = []
+    for step in range(config["calls"]):
+        started = time.perf_counter()
+        report({"step": step, "loss": 0.5})
+        times.append(time.perf_counter() - started)
+    return times if get_context().get_world_rank() == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=0, help="timed report() calls (0: one untimed call)")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed report() calls before the timed ones")
+    parser.add_argument("--storage-path", default="/tmp/bench_jobs_runs", help="where runs are kept")
+    parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
+    args = parser.parse_args()
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=args.num_workers + 1, include_dashboard=False, log_to_driver=False)
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"calls": args.calls, "warmup": args.warmup},
+        scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
+        run_config=RunConfig(storage_path=args.storage_path),
+    )
+    result = trainer.fit()
+    if args.calls:
+        print("BENCH_JSON " + json.dumps({"report_s": result.return_value}))
+
+
+if __name__ == "__main__":
+    main()
