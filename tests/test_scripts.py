@@ -68,14 +68,15 @@ def test_example_on_a_subset(example: str, expected: str, tmp_path: Path, data_d
 
 
 @pytest.mark.timeout(120)
-def test_workers_die_with_a_killed_driver(tmp_path: Path) -> None:
+def test_workers_die_with_a_killed_driver_and_the_run_resumes(tmp_path: Path) -> None:
     import signal
     import time
 
     from conftest import tagged_processes
 
+    script, results, stop_file = str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results"), tmp_path / "stop"
     reports = tmp_path / "results" / "forever" / "reports.jsonl"
-    driver = subprocess.Popen([sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")])
+    driver = subprocess.Popen([sys.executable, script, results, str(stop_file)])
     try:
         deadline = time.monotonic() + 90
         while not (reports.exists() and reports.read_text().endswith("\n")):
@@ -90,15 +91,10 @@ def test_workers_die_with_a_killed_driver(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert tagged_processes() == [], "workers outlived their driver"
 
-
-@pytest.mark.timeout(150)
-def test_seed_003_script_runs_after_an_import_swap(tmp_path: Path, data_dir: Path) -> None:
-    completed = run_script([str(SCRIPTS / "seed_003_lockstep.py"), "--num-workers", "2"], 140,
-                           LOCKSTEP_DATA=str(data_dir), HOME=str(tmp_path))
-    assert "Test Error:" in completed.stdout and "Accuracy:" in completed.stdout
-    assert "Last result: {'loss': " in completed.stdout
-    runs = list((tmp_path / "lockstep_results").iterdir())
-    assert len(runs) == 1 and runs[0].name.startswith("TorchTrainer_")
+    stop_file.write_text("stop")
+    completed = run_script([script, results, str(stop_file)], 100)
+    assert "REPORTS [0, 1]" in completed.stdout
+    assert "Continuing run" in completed.stderr
 
 
 @pytest.mark.timeout(120)
