@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test install clean
+.PHONY: demo test bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: install
 
 test: install
 	LOCKSTEP_DATA=$(DATA) $(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --json benchmarks/results_jobs.json
+	$(PY) benchmarks/checkpoint_bench.py --json benchmarks/results_checkpoint.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -370,11 +370,11 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
     """The results as markdown tables, with the machine and the command."""
     images = f"first {args.e2e_limit:,} training images" if args.e2e_limit else "60,000 training images"
     lines = [
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
-        f"load average at start {info['loadavg_at_start']}; {info['date']}",
+        (f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
+         f"load average at start {info['loadavg_at_start']}; {info['date']}"),
         f"Command: `{command}`",
         f"{args.repeats} interleaved repeat(s), medians; whole-process wall time (launch to exit); 2 workers "
-        f"unless said; e2e = seed 003's MLP job, {images}, 1 epoch + validation on 10,000.",
+        f"unless said" + (f"; e2e = seed 003's MLP job, {images}, 1 epoch + validation on 10,000." if "e2e" in summary else "."),
         "Ray Train: installed, measured (e2e, startup)." if ray else "Ray Train: not installed",
         "",
     ]
@@ -407,20 +407,20 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
             lines.append(f"| {labels[key]} | {row['op']}{note} | {row['calls']} | {row['p50_s'] * 1e3:.3f} | "
                          f"{row['p99_s'] * 1e3:.3f} | {row['max_s'] * 1e3:.2f} |")
         lines.append("")
-    lines += ["| goal | measured | | |", "|---|---:|---|---|"]
+    lines += ["| goal | measured | result |", "|---|---:|---|"]
     for section in ("e2e", "startup"):
         if section in summary:
             entry = summary[section]
             lines.append(f"| {section}: lockstep / torchrun <= {entry['goal']:.2f} | {entry['lockstep_over_torchrun']:.3f} | "
-                         f"{_verdict(entry['goal_met'])} | |")
+                         f"{_verdict(entry['goal_met'])} |")
     if "report" in summary:
         p50 = summary["report"]["rows"]["lockstep"]["p50_s"]
         lines.append(f"| report() p50 <= {REPORT_P50_GOAL_S * 1e3:.0f} ms | {p50 * 1e3:.3f} ms | "
-                     f"{_verdict(summary['report']['goal_met'])} | |")
+                     f"{_verdict(summary['report']['goal_met'])} |")
     if ray:
         for section in ("e2e", "startup"):
             if "lockstep_over_ray" in summary.get(section, {}):
-                lines.append(f"| {section}: lockstep / Ray Train (no goal) | {summary[section]['lockstep_over_ray']:.3f} | | |")
+                lines.append(f"| {section}: lockstep / Ray Train (no goal) | {summary[section]['lockstep_over_ray']:.3f} | – |")
     return "\n".join(lines)
 
 

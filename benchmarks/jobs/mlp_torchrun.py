@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets
 from torchvision.transforms import ToTensor
 
-
 # -- identical in mlp_lockstep.py ------------------------------------------------------------
 
 

@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,11 +33,16 @@ STACK_DUMP_WAIT_S = 2.0
 STACK_DUMP_POLL_S = 0.05
 
 
-def find_free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def host_rendezvous_store(host: str) -> Any:
+    """A torch.distributed TCPStore served by the driver on a free port of ``host``.
+
+    Workers find it at MASTER_ADDR/MASTER_PORT and, told by TORCHELASTIC_USE_AGENT_STORE (as
+    torchrun tells its workers), all join it as clients. Because it exists before any worker
+    starts, no rank waits for rank 0 to open a store and retries (which costs about a second).
+    """
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
 
 def user_python_path() -> list[str]:
@@ -70,6 +74,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._exit_handles: dict[int, int] = {}
         self._connections: dict[int, Connection] = {}
         self._payload_fd: int | None = None
+        self._store: Any = None
         self._stack_dir = tempfile.mkdtemp(prefix="lockstep_stacks_")
         self._output = OutputRelay(spec.log_dir, spec.console) if spec.log_dir else None
 
@@ -78,7 +83,8 @@ class LocalWorkerGroup(WorkerGroup):
     def start(self, payload: bytes) -> None:
         """Put the payload in memory the workers inherit, then start every rank."""
         self._payload_fd = _payload_in_memory(payload)
-        master_port = find_free_port()
+        self._store = host_rendezvous_store(LOOPBACK)
+        master_port = self._store.port
         gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
         for rank in range(self.spec.num_workers):
             env = self._worker_env(rank, master_port, gpu_ids)
@@ -105,6 +111,7 @@ class LocalWorkerGroup(WorkerGroup):
             GROUP_RANK="0",
             MASTER_ADDR=LOOPBACK,
             MASTER_PORT=str(master_port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
             OMP_NUM_THREADS=str(max(1, int(self.spec.cpus_per_worker))),
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -232,6 +239,7 @@ class LocalWorkerGroup(WorkerGroup):
             os.close(self._payload_fd)
             self._payload_fd = None
         shutil.rmtree(self._stack_dir, ignore_errors=True)
+        self._store = None
         if self._output is not None:
             self._output.close()
 
