@@ -50,11 +50,9 @@ removed at the end). Every process a run leaves behind (there should be none) is
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -68,6 +66,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from machine import describe_machine  # noqa: E402 - benchmarks/ is the script folder
 
 HERE = Path(__file__).resolve().parent
 JOBS = HERE / "jobs"
@@ -336,25 +336,8 @@ def summarize(raw: dict[str, dict[str, list[RunResult]]]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, str]:
-    """nproc, CPU model, Python and torch versions, load average, date."""
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return {
-        "nproc": str(len(os.sched_getaffinity(0))),
-        "cpu": model,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "loadavg_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
+    """The machine, as benchmarks/machine.py describes it."""
+    return describe_machine()
 
 
 def _verdict(met: bool) -> str:

@@ -40,10 +40,8 @@ the end); the moto server is stopped on exit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
 import socket
@@ -62,6 +60,8 @@ import torch
 import lockstep
 from lockstep import Checkpoint, CheckpointUploadMode, RunConfig, ScalingConfig
 from lockstep.torch import TorchTrainer
+
+from machine import describe_machine  # noqa: E402 - benchmarks/ is the script folder
 
 MB = 1_000_000
 BUCKET = "lockstep-bench"
@@ -220,23 +220,8 @@ def run_lockstep(target: str, mode: str, repeat: int, args: argparse.Namespace, 
 
 
 def machine() -> dict[str, str]:
-    """nproc, CPU model, Python and torch versions, date."""
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "nproc": str(nproc),
-        "cpu": model,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
+    """The machine, as benchmarks/machine.py describes it."""
+    return describe_machine()
 
 
 def summarize(raw: dict[str, Any], size: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ batch 64 (64 / world size per worker), the 60,000 training images in order (no s
 in the seed), 1 epoch, then validation on the 10,000 test images; ``report()`` once per epoch.
 Each worker reads Fashion-MNIST itself (torchvision ``FashionMNIST`` + ``ToTensor``,
 ``DataLoader(num_workers=0)``), exactly like benchmarks/jobs/mlp_torchrun.py, whose model and
-loop are the same code.
+loop are the same code (jobs/mlp_common.py).
 
     python benchmarks/jobs/mlp_lockstep.py --data-dir /work/shared/data --num-workers 2
 """
@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Subset
-from torchvision import datasets
-from torchvision.transforms import ToTensor
+from torch.utils.data import DataLoader
 
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
     from ray.train import RunConfig, ScalingConfig, get_context, report
@@ -31,62 +29,7 @@ else:
     from lockstep.torch import TorchTrainer, prepare_data_loader, prepare_model
 
 
-# -- identical in mlp_torchrun.py ------------------------------------------------------------
-
-
-class NeuralNetwork(nn.Module):
-    """784 -> 512 -> 128 -> 64 -> 10, log-softmax output (seed 003's model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flatten = nn.Flatten()
-        self.linear_relu_stack = nn.Sequential(
-            nn.Linear(28 * 28, 512), nn.ReLU(),
-            nn.Linear(512, 128), nn.ReLU(),
-            nn.Linear(128, 64), nn.ReLU(),
-            nn.Linear(64, 10), nn.LogSoftmax(dim=1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_relu_stack(self.flatten(x))
-
-
-def load_data(data_dir: str, limit: int | None) -> tuple[Any, Any]:
-    """Fashion-MNIST train and test sets (the first ``limit`` training images when given)."""
-    training = datasets.FashionMNIST(root=data_dir, train=True, download=False, transform=ToTensor())
-    test = datasets.FashionMNIST(root=data_dir, train=False, download=False, transform=ToTensor())
-    if limit is not None:
-        training = Subset(training, range(min(limit, len(training))))
-    return training, test
-
-
-def train_epoch(dataloader: Any, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
-                world_size: int) -> None:
-    """Seed 003's training loop (prints the loss every 100 batches)."""
-    size = len(dataloader.dataset) // world_size
-    model.train()
-    for batch, (x, y) in enumerate(dataloader):
-        loss = loss_fn(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if batch % 100 == 0:
-            print(f"loss: {loss.item():>7f}  [{batch * len(x):>5d}/{size:>5d}]")
-
-
-def validate_epoch(dataloader: Any, model: nn.Module, loss_fn: nn.Module, world_size: int) -> float:
-    """Seed 003's validation loop: this worker's shard of the test set; returns its mean loss."""
-    size = len(dataloader.dataset) // world_size
-    model.eval()
-    test_loss, correct = 0.0, 0.0
-    with torch.no_grad():
-        for x, y in dataloader:
-            prediction = model(x)
-            test_loss += loss_fn(prediction, y).item()
-            correct += (prediction.argmax(1) == y).type(torch.float).sum().item()
-    test_loss /= max(len(dataloader), 1)
-    print(f"Test Error: \n Accuracy: {100 * correct / size:>0.1f}%, Avg loss: {test_loss:>8f} \n")
-    return test_loss
+from mlp_common import NeuralNetwork, load_data, train_epoch, validate_epoch  # noqa: E402
 
 
 # -- lockstep / Ray Train ----------------------------------------------------------------------
@@ -126,8 +69,11 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     if args.ray:
+        import cloudpickle
+        import mlp_common
         import ray
 
+        cloudpickle.register_pickle_by_value(mlp_common)  # Ray workers don't get this folder on their path
         ray.init(num_cpus=args.num_workers + 1, include_dashboard=False, log_to_driver=False)
     trainer = TorchTrainer(
         train_func,
