@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lockstep._internal.worker_output import CONSOLE_MODES, ConsoleMode
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_STORAGE_PATH = "~/lockstep_results"
 
@@ -195,7 +197,7 @@ class RunConfig:
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: list[Any] = field(default_factory=list)
     verbose: int | None = None
-    worker_output: Literal["rank0", "all", "none"] = "rank0"
+    worker_output: ConsoleMode = "rank0"
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -215,8 +217,10 @@ class RunConfig:
         if not isinstance(self.checkpoint_config, CheckpointConfig):
             raise ValueError(f"RunConfig.checkpoint_config must be a CheckpointConfig, got {self.checkpoint_config!r}.")
         self.callbacks = list(self.callbacks or [])
-        if self.worker_output not in ("rank0", "all", "none"):
-            raise ValueError(f"RunConfig.worker_output must be 'rank0', 'all' or 'none', got {self.worker_output!r}.")
+        if self.worker_output not in CONSOLE_MODES:
+            raise ValueError(
+                f"RunConfig.worker_output must be one of {', '.join(CONSOLE_MODES)}, got {self.worker_output!r}."
+            )
 
 
 @dataclass

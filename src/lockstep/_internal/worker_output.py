@@ -10,7 +10,7 @@ import threading
 from typing import IO, Literal
 
 ConsoleMode = Literal["rank0", "all", "none"]
-CONSOLE_MODES = ("rank0", "all", "none")
+CONSOLE_MODES: tuple[ConsoleMode, ...] = ("rank0", "all", "none")
 TAIL_LINES = 20
 
 

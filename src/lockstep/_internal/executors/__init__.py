@@ -49,8 +49,8 @@ def check_local_resources(spec: GroupSpec) -> None:
         )
     if spec.use_gpu:
         _check_gpus(spec)
-    _check_fits_one_machine(spec)
     cpus = os.cpu_count() or 1
+    _check_fits_one_machine(spec, cpus)
     wanted = spec.num_workers * spec.cpus_per_worker
     if wanted > cpus:
         logger.warning(
@@ -59,9 +59,8 @@ def check_local_resources(spec: GroupSpec) -> None:
         )
 
 
-def _check_fits_one_machine(spec: GroupSpec) -> None:
+def _check_fits_one_machine(spec: GroupSpec, cpus: int) -> None:
     """One worker asking for more CPUs or memory than this machine has can never run."""
-    cpus = os.cpu_count() or 1
     if spec.cpus_per_worker > cpus:
         raise ValueError(
             f"resources_per_worker asks for {spec.cpus_per_worker:g} CPUs per worker; this machine has {cpus}: "
