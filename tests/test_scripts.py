@@ -121,3 +121,13 @@ def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> N
         time.sleep(0.05)
     assert tagged_processes() == [], "workers still running 5 s after Ctrl-C"
     assert json.loads((run / "lockstep_run.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.timeout(150)
+def test_seed_003_script_runs_after_an_import_swap(tmp_path: Path, data_dir: Path) -> None:
+    completed = run_script([str(SCRIPTS / "seed_003_lockstep.py"), "--num-workers", "2", "--address", "none"], 140,
+                           LOCKSTEP_DATA=str(data_dir), HOME=str(tmp_path))
+    assert "Test Error:" in completed.stdout and "Accuracy:" in completed.stdout
+    assert "Last result: {'loss': " in completed.stdout
+    runs = list((tmp_path / "lockstep_results").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("TorchTrainer_")

@@ -108,11 +108,11 @@ def test_async_uploads_commit_in_order_after_the_temp_folder_is_gone(storage_pat
 
 
 def write_then_block_storage(config: dict) -> None:
+    if lockstep.get_context().get_world_rank() == 0:  # before report #0, so no rank is past it yet
+        Path(config["blocker"]).write_text("a file where the next checkpoint folder must go")
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "model.pt").write_text("good")
         lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(folder))
-    if lockstep.get_context().get_world_rank() == 0:
-        Path(config["blocker"]).write_text("a file where the next checkpoint folder must go")
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "model.pt").write_text("never committed")
         lockstep.report({"step": 1}, checkpoint=Checkpoint.from_directory(folder),

@@ -1,4 +1,5 @@
-"""Seed 003's job on lockstep (or on Ray Train with ``--ray``), for benchmarks/bench_jobs.py.
+"""Seed 003's job on lockstep (on Ray Train with ``--ray``; on lockstep's Ray executor with
+``--lockstep-on-ray``), for benchmarks/bench_jobs.py and benchmarks/ray_bench.py.
 
 The MLP of examples/fashion_mnist_mlp.py (784-512-128-64-10, LogSoftmax), SGD lr 1e-3, global
 batch 64 (64 / world size per worker), the 60,000 training images in order (no shuffling, as
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training images")
     parser.add_argument("--storage-path", default="/tmp/bench_jobs_runs", help="where runs are kept")
     parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
+    parser.add_argument("--lockstep-on-ray", action="store_true", help="lockstep with its Ray executor")
     return parser.parse_args(argv)
 
 
@@ -71,10 +73,12 @@ def main() -> None:
     if args.ray:
         import cloudpickle
         import mlp_common
-        import ray
 
         cloudpickle.register_pickle_by_value(mlp_common)  # Ray workers don't get this folder on their path
-        ray.init(num_cpus=args.num_workers + 1, include_dashboard=False, log_to_driver=False)
+    if args.ray or args.lockstep_on_ray:
+        from on_ray import connect_ray
+
+        connect_ray(args.num_workers)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"lr": 1e-3, "batch_size": 64, "epochs": args.epochs,

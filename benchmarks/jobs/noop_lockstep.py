@@ -1,4 +1,5 @@
-"""A no-op lockstep (or Ray Train, ``--ray``) job for benchmarks/bench_jobs.py.
+"""A no-op lockstep job (on Ray Train with ``--ray``; on lockstep's Ray executor with
+``--lockstep-on-ray``) for benchmarks/bench_jobs.py and benchmarks/ray_bench.py.
 
 With ``--calls 0`` (the default) each of the workers calls ``report()`` once and returns: the
 whole process then measures start-up and shut-down. With ``--calls N`` each worker makes
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
@@ -24,11 +27,12 @@ else:
     from lockstep.torch import TorchTrainer
 
 
-def train_func(config: dict[str, Any]) -> list[float] | None:
-    """Report once, or warm-up + N timed reports (rank 0 returns the N durations)."""
+def train_func(config: dict[str, Any]) -> None:
+    """Report once, or warm-up + N timed reports (rank 0 writes the N durations to a file:
+    Ray Train's Result has no return value, and its workers' output may not reach the driver)."""
     if config["calls"] == 0:
         report({"done": 1})
-        return None
+        return
     for step in range(config["warmup"]):
         report({"step": step})
     times = []
@@ -36,7 +40,8 @@ def train_func(config: dict[str, Any]) -> list[float] | None:
         started = time.perf_counter()
         report({"step": step, "loss": 0.5})
         times.append(time.perf_counter() - started)
-    return times if get_context().get_world_rank() == 0 else None
+    if get_context().get_world_rank() == 0:
+        Path(config["times_file"]).write_text(json.dumps(times))
 
 
 def main() -> None:
@@ -46,20 +51,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="untimed report() calls before the timed ones")
     parser.add_argument("--storage-path", default="/tmp/bench_jobs_runs", help="where runs are kept")
     parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
+    parser.add_argument("--lockstep-on-ray", action="store_true", help="lockstep with its Ray executor")
     args = parser.parse_args()
-    if args.ray:
-        import ray
+    if args.ray or args.lockstep_on_ray:
+        from on_ray import connect_ray
 
-        ray.init(num_cpus=args.num_workers + 1, include_dashboard=False, log_to_driver=False)
-    trainer = TorchTrainer(
-        train_func,
-        train_loop_config={"calls": args.calls, "warmup": args.warmup},
-        scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
-        run_config=RunConfig(storage_path=args.storage_path),
-    )
-    result = trainer.fit()
-    if args.calls:
-        print("BENCH_JSON " + json.dumps({"report_s": result.return_value}))
+        connect_ray(args.num_workers)
+    with tempfile.TemporaryDirectory() as folder:
+        times_file = Path(folder, "report_s.json")
+        trainer = TorchTrainer(
+            train_func,
+            train_loop_config={"calls": args.calls, "warmup": args.warmup, "times_file": str(times_file)},
+            scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
+            run_config=RunConfig(storage_path=args.storage_path),
+        )
+        trainer.fit()
+        if args.calls:
+            print("BENCH_JSON " + json.dumps({"report_s": json.loads(times_file.read_text())}))
 
 
 if __name__ == "__main__":

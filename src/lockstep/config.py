@@ -21,6 +21,7 @@ from typing import Any, Literal
 from lockstep._internal.worker_output import CONSOLE_MODES, ConsoleMode
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+EXECUTORS = ("auto", "local", "ray")
 DEFAULT_STORAGE_PATH = "~/lockstep_results"
 
 
@@ -33,9 +34,19 @@ class ScalingConfig:
         use_gpu: Give each worker one GPU (unless ``resources_per_worker`` says otherwise).
         resources_per_worker: Resources per worker, e.g. ``{"CPU": 2, "GPU": 1}``. Keys are
             case-sensitive. ``CPU`` also sets each worker's torch intra-op thread count.
-        trainer_resources: Resources for the coordinating process (used by the Ray executor).
+        trainer_resources: Accepted for compatibility with Ray Train and not used: lockstep's
+            coordinator is the process that calls ``fit()``, not an actor of its own.
         placement_strategy: One of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD (Ray executor).
         accelerator_type: Required accelerator type, e.g. ``"A100"`` (Ray executor).
+        executor: Where workers run (a lockstep addition): ``"auto"`` (the default) uses Ray
+            when ``ray.init()`` was called in this process or ``ray_address`` is set, else this
+            machine; ``"local"`` always this machine; ``"ray"`` always Ray (``ray.init()`` is
+            called when needed, which honours ``RAY_ADDRESS``).
+        ray_address: The Ray cluster to connect to, e.g. ``"auto"`` or ``"10.0.0.5:6379"``
+            (a lockstep addition; implies ``executor="ray"``).
+        placement_timeout_s: How long the Ray executor waits for the cluster to place the
+            workers before ``fit()`` fails (a lockstep addition). A request that the cluster's
+            nodes can never hold fails at once.
     """
 
     num_workers: int = 1
@@ -44,6 +55,9 @@ class ScalingConfig:
     trainer_resources: dict[str, float] | None = None
     placement_strategy: str = "PACK"
     accelerator_type: str | None = None
+    executor: str = "auto"
+    ray_address: str | None = None
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_num_workers(self.num_workers)
@@ -61,6 +75,25 @@ class ScalingConfig:
                 f"ScalingConfig.placement_strategy={self.placement_strategy!r} is unknown; "
                 f"choose one of {', '.join(PLACEMENT_STRATEGIES)}."
             )
+        self._check_executor_fields()
+
+    def _check_executor_fields(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"ScalingConfig.executor={self.executor!r} is unknown; choose one of {', '.join(EXECUTORS)}.")
+        if self.ray_address is not None and not (isinstance(self.ray_address, str) and self.ray_address):
+            raise ValueError(f"ScalingConfig.ray_address must be a non-empty string like 'auto' or 'host:6379', got {self.ray_address!r}.")
+        if self.ray_address is not None and self.executor == "local":
+            raise ValueError("ScalingConfig: ray_address is set but executor='local'; drop one of them.")
+        if self.accelerator_type is not None and not (isinstance(self.accelerator_type, str) and self.accelerator_type):
+            raise ValueError(f"ScalingConfig.accelerator_type must be a name like 'A100', got {self.accelerator_type!r}.")
+        timeout = self.placement_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"ScalingConfig.placement_timeout_s must be a number of seconds > 0, got {timeout!r}.")
+
+    @property
+    def wants_ray(self) -> bool:
+        """Whether this config asks for the Ray executor whatever the driver's state."""
+        return self.executor == "ray" or self.ray_address is not None
 
     @property
     def worker_resources(self) -> dict[str, float]:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from lockstep._internal.controller import Controller
 from lockstep._internal.executors import make_group_factory
+from lockstep._internal.executors.ray import is_ray_dataset
 from lockstep._internal.payload import WorkerPayload, serialize_payload
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
@@ -31,8 +32,9 @@ class DataParallelTrainer:
         backend_config: Worker set-up around the train function (e.g. TorchConfig).
         scaling_config: Number of workers and their resources.
         run_config: Name, storage, failure and checkpoint policies.
-        datasets: Named map-style datasets, split into one shard per worker
-            (see :func:`lockstep.get_dataset_shard`).
+        datasets: Named datasets, split into one shard per worker (see
+            :func:`lockstep.get_dataset_shard`): map-style torch datasets, or ``ray.data.Dataset``
+            objects with the Ray executor (each rank gets an equal streaming split).
         dataset_config: Which datasets to split.
         metadata: A JSON-serializable dict every worker sees in ``get_context().get_metadata()``.
         resume_from_checkpoint: A checkpoint ``get_checkpoint()`` returns at the start, unless
@@ -88,16 +90,20 @@ class DataParallelTrainer:
         with storage_errors(storage_path):
             storage = RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
         log_dir = storage.local_log_dir()
-        make_group = make_group_factory(scaling, log_dir, self.run_config.worker_output)
+        ray_datasets = {name: dataset for name, dataset in self.datasets.items() if is_ray_dataset(dataset)}
+        make_group = make_group_factory(
+            scaling, log_dir, self.run_config.worker_output, ray_datasets, self.dataset_config.should_split
+        )
         with storage_errors(storage_path):
             check_storage_path(storage_path, storage)
-            recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers)
+            recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers, make_group.executor)
             recorder.check_resumable()
         build_payload = self._payload_builder(storage, recorder)
         first_payload = build_payload(recorder.next_report_index, recorder.latest_checkpoint or self.resume_from_checkpoint)
         with storage_errors(storage_path):
             recorder.open()
-        logger.info("Run %s: %d workers, results in %s", name, scaling.num_workers, storage.display_path)
+        logger.info("Run %s: %d workers (%s executor), results in %s", name, scaling.num_workers, make_group.executor,
+                    storage.display_path)
         controller = Controller(
             make_group, build_payload, recorder, scaling.num_workers,
             self.run_config.failure_config.max_failures, self.resume_from_checkpoint,
@@ -121,7 +127,7 @@ class DataParallelTrainer:
                     first_report_index=first_report_index,
                     checkpoint=checkpoint,
                     used_dir_names=recorder.committed_dir_names,
-                    datasets=self.datasets,
+                    datasets={name: dataset for name, dataset in self.datasets.items() if not is_ray_dataset(dataset)},
                     dataset_config=self.dataset_config,
                     metadata=self.metadata,
                 )
@@ -157,7 +163,7 @@ def _check_train_fn(train_fn: Any) -> None:
 def _check_datasets(datasets: dict[str, Any], config: DataConfig, num_workers: int) -> None:
     """Datasets to split must be map-style and hold at least one item per worker."""
     for name, dataset in datasets.items():
-        if not config.should_split(name):
+        if not config.should_split(name) or is_ray_dataset(dataset):
             continue
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(

@@ -1,7 +1,8 @@
 # Seed 003's Ray Train script with only its imports swapped to lockstep (marked "swapped").
-# Three test-only edits keep it fast and offline (marked "test-only"): the data folder, a subset
-# of the data, and 1 epoch instead of 50. Ray Core's `import ray; ray.init(...)` lines are left
-# out: they start a Ray cluster, which lockstep only uses with its Ray executor.
+# Test-only edits keep it fast and offline (marked "test-only"): the data folder, a subset of the
+# data, 1 epoch instead of 50, and `--address none`, which skips `ray.init(...)` so that the same
+# script also runs on lockstep's local executor. With `ray.init(...)` kept, lockstep runs the
+# workers on that Ray cluster.
 import argparse
 import os
 from typing import Dict
@@ -158,4 +159,13 @@ if __name__ == "__main__":
 
     args, _ = parser.parse_known_args()
 
-    train_fashion_mnist(num_workers=args.num_workers, use_gpu=args.use_gpu)
+    import ray
+    if args.smoke_test:
+        # 2 workers + 1 for trainer.
+        ray.init(num_cpus=3)
+        train_fashion_mnist()
+    elif args.address == "none":  # test-only: without Ray, lockstep runs its own worker processes
+        train_fashion_mnist(num_workers=args.num_workers, use_gpu=args.use_gpu)  # test-only
+    else:
+        ray.init(address=args.address)
+        train_fashion_mnist(num_workers=args.num_workers, use_gpu=args.use_gpu)

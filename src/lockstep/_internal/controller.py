@@ -299,7 +299,7 @@ class Controller:
         failed_ranks = {failure.rank for failure in attempt.failures}
         if exited.rank not in attempt.finished and exited.rank not in failed_ranks:
             attempt.failures.append(WorkerFailure(
-                exited.rank, "WorkerDied", f"the worker process {describe_exit(exited.returncode)}",
+                exited.rank, "WorkerDied", exited.cause or f"the worker process {describe_exit(exited.returncode)}",
                 group.output_tail(exited.rank),
             ))
 

@@ -150,6 +150,11 @@ class WorkerChannel:
         """Wait for the driver's next message."""
         return self._connection.recv()
 
+    def close(self) -> None:
+        """Close the channel: the driver reads everything sent before, then the end of stream."""
+        with self._send_lock:
+            self._connection.close()
+
 
 def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> WorkerChannel:
     """Open the worker's channel to the driver named in its environment."""

@@ -32,10 +32,13 @@ class RunRecorder:
     Creating a recorder only reads storage; :meth:`open` is the first write.
     """
 
-    def __init__(self, storage: RunStorage, checkpoint_config: CheckpointConfig, world_size: int) -> None:
+    def __init__(
+        self, storage: RunStorage, checkpoint_config: CheckpointConfig, world_size: int, executor: str = "local"
+    ) -> None:
         self.storage = storage
         self.checkpoint_config = checkpoint_config
         self.world_size = world_size
+        self.executor = executor
         self._earlier = storage.read_record()
         self.record: dict[str, Any] = dict(self._earlier or {})
         self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
@@ -66,7 +69,7 @@ class RunRecorder:
             )
         else:
             self.record = {"format_version": RECORD_FORMAT_VERSION, "name": self.storage.name, "created_at": _now()}
-        self.record.update(status="running", world_size=self.world_size, error=None)
+        self.record.update(status="running", world_size=self.world_size, executor=self.executor, error=None)
         self._write_record()
         removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
         if removed:

@@ -63,17 +63,29 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     channel = protocol.connect_to_driver()
     channel.send(protocol.Hello(rank, os.getpid()))
-    try:
-        outcome: Any = protocol.Finished(rank, run_rank(rank, channel))
-        exit_code = 0
-    except BaseException as error:  # noqa: BLE001 - every failure must reach the driver
-        outcome = protocol.Failed(describe_failure(rank, error))
-        exit_code = 1
+    outcome, exit_code = run_to_outcome(rank, channel, lambda: _read_payload(int(os.environ[ENV_PAYLOAD_FD])))
     _send_and_exit(channel, outcome, exit_code)
 
 
-def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
-    """Load the payload, run the train function, and return rank 0's pickled return value."""
+def run_to_outcome(
+    rank: int, channel: WorkerChannel, read_payload: Callable[[], bytes], extra_datasets: dict[str, Any] | None = None
+) -> tuple[Any, int]:
+    """Run the rank and say how it ended: a Finished or Failed message, and an exit code."""
+    from lockstep._internal import protocol
+
+    try:
+        return protocol.Finished(rank, run_rank(rank, channel, read_payload, extra_datasets)), 0
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the driver
+        return protocol.Failed(describe_failure(rank, error)), 1
+
+
+def run_rank(
+    rank: int, channel: WorkerChannel, read_payload: Callable[[], bytes], extra_datasets: dict[str, Any] | None = None
+) -> bytes | None:
+    """Load the payload, run the train function, and return rank 0's pickled return value.
+
+    ``extra_datasets`` are shards the executor made for this rank (Ray Data's streaming splits).
+    """
     import cloudpickle
     import torch
 
@@ -81,7 +93,7 @@ def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
     from lockstep.data import shard_datasets
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    payload = cloudpickle.loads(_read_payload(int(os.environ[ENV_PAYLOAD_FD])))
+    payload = cloudpickle.loads(read_payload())
     restore_source_file(payload.train_fn, payload.main_file)
     context = TrainContext(
         world_rank=rank,
@@ -95,6 +107,7 @@ def run_rank(rank: int, channel: WorkerChannel) -> bytes | None:
         gpu_ids=tuple(item for item in os.environ.get(ENV_GPU_IDS, "").split(",") if item),
     )
     datasets = shard_datasets(payload.datasets, rank, context.world_size, payload.dataset_config.should_split)
+    datasets.update(extra_datasets or {})
     session = WorkerSession(
         context, channel, payload.first_report_index, payload.checkpoint, datasets, payload.used_dir_names
     )

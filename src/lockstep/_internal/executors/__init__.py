@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from lockstep._internal.executors.base import GroupSpec, WorkerGroup
 from lockstep.config import ScalingConfig
@@ -15,16 +17,31 @@ logger = logging.getLogger(__name__)
 LOCAL_RESOURCE_KEYS = ("CPU", "GPU", "memory")
 
 
+@dataclass(frozen=True)
+class GroupFactory:
+    """Starts one worker group per call, with the executor named ``executor``."""
+
+    executor: str
+    start_group: Callable[[], WorkerGroup]
+
+    def __call__(self) -> WorkerGroup:
+        return self.start_group()
+
+
 def make_group_factory(
-    scaling: ScalingConfig, log_dir: str | None = None, console: str = "rank0"
-) -> Callable[[], WorkerGroup]:
-    """A function that starts a fresh worker group for ``scaling`` (one call per attempt).
+    scaling: ScalingConfig,
+    log_dir: str | None = None,
+    console: str = "rank0",
+    ray_datasets: Mapping[str, Any] | None = None,
+    should_split: Callable[[str], bool] = lambda name: True,
+) -> GroupFactory:
+    """What starts a fresh worker group for ``scaling`` (one call per attempt), on Ray when
+    :func:`uses_ray` says so, else on this machine.
 
     Raises:
-        ValueError: the request can't be met on this machine; raised before anything starts.
+        ValueError: the request can't be met (on this machine, or by the Ray cluster as it is);
+            raised before anything starts.
     """
-    from lockstep._internal.executors.local import LocalWorkerGroup
-
     spec = GroupSpec(
         num_workers=scaling.num_workers,
         cpus_per_worker=scaling.num_cpus_per_worker,
@@ -33,9 +50,42 @@ def make_group_factory(
         resources_per_worker=scaling.worker_resources,
         log_dir=log_dir,
         console=console,
+        placement_strategy=scaling.placement_strategy,
+        accelerator_type=scaling.accelerator_type,
+        placement_timeout_s=float(scaling.placement_timeout_s),
     )
+    if uses_ray(scaling):
+        from lockstep._internal.executors import ray as ray_executor
+
+        ray_executor.check_request(spec)
+        logger.info("Running %d workers on the Ray cluster.", spec.num_workers)
+        return GroupFactory("ray", lambda: ray_executor.RayWorkerGroup(spec, ray_datasets, should_split))
+    if ray_datasets:
+        raise ValueError(
+            f"datasets {sorted(ray_datasets)} are Ray Datasets, which need the Ray executor: call ray.init() "
+            "before fit(), or pass ScalingConfig(executor='ray')."
+        )
+    from lockstep._internal.executors.local import LocalWorkerGroup
+
     check_local_resources(spec)
-    return lambda: LocalWorkerGroup(spec)
+    return GroupFactory("local", lambda: LocalWorkerGroup(spec))
+
+
+def uses_ray(scaling: ScalingConfig) -> bool:
+    """Whether ``fit()`` runs on Ray: asked for in ``scaling``, or ``ray.init()`` was called in
+    this process (as Ray Train scripts do) and ``scaling.executor`` is not ``"local"``.
+    Connects to Ray when asked for and not connected yet."""
+    from lockstep._internal.executors import ray as ray_executor
+
+    if scaling.executor == "local":
+        return False
+    if scaling.wants_ray:
+        ray_executor.connect(scaling.ray_address)
+        return True
+    if ray_executor.ray_is_initialized():
+        ray_executor.connect(None)
+        return True
+    return False
 
 
 def check_local_resources(spec: GroupSpec) -> None:

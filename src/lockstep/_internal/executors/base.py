@@ -10,10 +10,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class WorkerExited:
-    """A worker process ended (``returncode`` as ``subprocess`` gives it: negative = signal)."""
+    """A worker process ended (``returncode`` as ``subprocess`` gives it: negative = signal).
+    ``cause`` is the executor's own account of why, when it has one (e.g. Ray's)."""
 
     rank: int
     returncode: int
+    cause: str | None = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class GroupSpec:
     resources_per_worker: dict[str, float]
     log_dir: str | None = None
     console: str = "rank0"
+    placement_strategy: str = "PACK"
+    accelerator_type: str | None = None
+    placement_timeout_s: float = 60.0
 
 
 class WorkerGroup(abc.ABC):

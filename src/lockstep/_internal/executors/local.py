@@ -16,13 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
-from lockstep._internal import protocol
 from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
+from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.worker_output import OutputRelay
 from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_FD, ENV_STACK_FILE
 
@@ -69,10 +68,9 @@ class LocalWorkerGroup(WorkerGroup):
 
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
-        self._listener = protocol.DriverListener(LOOPBACK)
+        self._channels = WorkerConnections(LOOPBACK)
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
         self._exit_handles: dict[int, int] = {}
-        self._connections: dict[int, Connection] = {}
         self._payload_fd: int | None = None
         self._store: Any = None
         self._stack_dir = tempfile.mkdtemp(prefix="lockstep_stacks_")
@@ -116,7 +114,7 @@ class LocalWorkerGroup(WorkerGroup):
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FILE: self._stack_file(rank)},
-            **self._listener.worker_env(),
+            **self._channels.worker_env(),
         )
         if self.spec.use_gpu:
             slots = gpu_slots(rank, self.spec.gpus_per_worker)
@@ -126,65 +124,28 @@ class LocalWorkerGroup(WorkerGroup):
     # -- events --------------------------------------------------------------------------------
 
     def wait_events(self, timeout: float | None) -> list[Any]:
-        """Wait on the listener, the workers' sockets and their exit handles together."""
+        """Wait on the workers' channels and their exit handles together."""
         exit_ranks = {handle: rank for rank, handle in self._exit_handles.items()}
-        waitables: list[Any] = [self._listener, *self._connections.values(), *exit_ranks]
         events: list[Any] = []
         exited: list[int] = []
-        for ready in wait(waitables, timeout):
-            if ready is self._listener:
-                events += self._accept()
-            elif isinstance(ready, Connection):
-                events += self._drain(ready)
+        for ready in wait([*self._channels.waitables(), *exit_ranks], timeout):
+            if self._channels.owns(ready):
+                events += self._channels.read(ready)
             else:
                 exited.append(exit_ranks[ready])
         for rank in exited:
             events += self._on_exit(rank)
         return events
 
-    def _accept(self) -> list[Any]:
-        try:
-            connection = self._listener.accept()
-            hello = connection.recv()
-        except (OSError, EOFError, AuthenticationError) as error:
-            logger.warning("refused a connection that is not one of this run's workers: %s", error)
-            return []
-        self._connections[hello.rank] = connection
-        return [hello]
-
-    def _drain(self, connection: Connection) -> list[Any]:
-        """Every message waiting on ``connection`` (it is dropped at end of stream)."""
-        messages: list[Any] = []
-        try:
-            while connection.poll():
-                messages.append(connection.recv())
-        except (EOFError, OSError):
-            self._forget(connection)
-        return messages
-
-    def _forget(self, connection: Connection) -> None:
-        for rank, known in list(self._connections.items()):
-            if known is connection:
-                del self._connections[rank]
-        connection.close()
-
     def _on_exit(self, rank: int) -> list[Any]:
         """A rank's process ended: first deliver what it sent before dying, then the exit."""
         os.close(self._exit_handles.pop(rank))
         self._processes[rank].wait()
-        connection = self._connections.get(rank)
-        messages = self._drain(connection) if connection is not None else []
-        return [*messages, WorkerExited(rank, self._processes[rank].returncode)]
+        return [*self._channels.drain_rank(rank), WorkerExited(rank, self._processes[rank].returncode)]
 
     def send(self, rank: int, message: Any) -> None:
         """Send a message to a rank (ignored if that rank is already gone)."""
-        connection = self._connections.get(rank)
-        if connection is None:
-            return
-        try:
-            connection.send(message)
-        except OSError:
-            self._forget(connection)
+        self._channels.send(rank, message)
 
     # -- diagnostics ---------------------------------------------------------------------------
 
@@ -231,10 +192,7 @@ class LocalWorkerGroup(WorkerGroup):
         for handle in self._exit_handles.values():
             os.close(handle)
         self._exit_handles.clear()
-        for connection in list(self._connections.values()):
-            connection.close()
-        self._connections.clear()
-        self._listener.close()
+        self._channels.close()
         if self._payload_fd is not None:
             os.close(self._payload_fd)
             self._payload_fd = None

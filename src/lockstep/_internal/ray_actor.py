@@ -1,0 +1,84 @@
+"""One rank of the Ray executor: a Ray actor whose process runs the train function.
+
+The actor speaks to the driver over the same channel as a local worker process (see
+:mod:`lockstep._internal.protocol`); Ray only places it, starts it, and tells the driver when
+it ends. It runs its methods on two threads, so that the driver can ask where the train
+function is (``stack``) while it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep._internal import protocol
+from lockstep._internal.worker import run_to_outcome
+
+#: Frames of these files are the actor's plumbing, not the user's code.
+PLUMBING = ("/lockstep/_internal/", "/ray/", "/threading.py", "/concurrent/futures/", "/multiprocessing/connection.py")
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where an actor landed: its Ray node, that node's IP, the GPUs Ray gave it, its pid."""
+
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]
+    pid: int
+
+
+class RayWorker:
+    """The actor class (the driver wraps it with ``ray.remote``)."""
+
+    def __init__(self) -> None:
+        self._train_thread: int | None = None
+
+    def place(self) -> WorkerPlace:
+        """Where this actor runs."""
+        import ray
+
+        context = ray.get_runtime_context()
+        gpu_ids = tuple(str(gpu_id) for gpu_id in context.get_accelerator_ids().get("GPU", []))
+        return WorkerPlace(context.get_node_id(), ray.util.get_node_ip_address(), gpu_ids, os.getpid())
+
+    def free_port(self) -> int:
+        """A TCP port that is free on this node now (rank 0's node hosts the rendezvous on it)."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return int(probe.getsockname()[1])
+
+    def run(self, payload: bytes, env: dict[str, str], datasets: dict[str, Any], python_path: list[str]) -> int:
+        """Run this rank to its end; return its exit code (0 when the train function returned).
+
+        Args:
+            payload: The pickled :class:`~lockstep._internal.payload.WorkerPayload`.
+            env: This rank's environment (rank variables, rendezvous, driver address, GPUs).
+            datasets: This rank's shards of the Ray datasets.
+            python_path: The driver's own import path entries; those that exist here are added.
+        """
+        os.environ.update(env)
+        sys.path[:0] = [entry for entry in python_path if os.path.isdir(entry) and entry not in sys.path]
+        self._train_thread = threading.get_ident()
+        rank = int(env["RANK"])
+        channel = protocol.connect_to_driver(env)
+        channel.send(protocol.Hello(rank, os.getpid()))
+        outcome, exit_code = run_to_outcome(rank, channel, lambda: payload, datasets)
+        try:
+            channel.send(outcome)
+        finally:
+            channel.close()
+        return exit_code
+
+    def stack(self) -> str:
+        """The train function's current Python stack (most recent call last)."""
+        frame = sys._current_frames().get(self._train_thread) if self._train_thread is not None else None
+        if frame is None:
+            return ""
+        lines = traceback.format_stack(frame)
+        return "".join(line for line in lines if not any(part in line.splitlines()[0] for part in PLUMBING))

@@ -1,0 +1,342 @@
+"""The Ray executor on a real Ray cluster of three raylets on this machine (a head with no CPUs
+and two worker nodes, "0" and "1", with 2 CPUs each), shared by the tests of this module; plus
+unit tests of its placement and rank logic, which need no cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lockstep
+from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+from lockstep._internal.executors.base import GroupSpec
+from lockstep._internal.executors.ray import assign_ranks, placement_problem, rank_env, worker_bundle
+from lockstep._internal.ray_actor import WorkerPlace
+from lockstep.torch import TorchTrainer
+
+from conftest import REPO_ROOT
+
+ray = pytest.importorskip("ray")
+
+NODE_CPUS = 2
+RESOURCE_RELEASE_WAIT_S = 30
+
+
+# -- the cluster --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Three raylets; worker node ``n`` has LOCKSTEP_TEST_NODE=n in its environment. The
+    processes of the cluster don't carry the test tag (they outlive single tests by design);
+    ``resources_released`` checks instead that every test gives back what it reserved."""
+    from ray.cluster_utils import Cluster
+
+    tag = os.environ.pop("LOCKSTEP_TEST_TAG")
+    try:
+        test_cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        nodes = [test_cluster.add_node(num_cpus=NODE_CPUS, env_vars={"LOCKSTEP_TEST_NODE": str(n)}) for n in range(2)]
+        ray.init(address=test_cluster.address, log_to_driver=False)
+    finally:
+        os.environ["LOCKSTEP_TEST_TAG"] = tag
+    test_cluster.worker_nodes_list = nodes
+    try:
+        yield test_cluster
+    finally:
+        ray.shutdown()
+        test_cluster.shutdown()
+
+
+@pytest.fixture
+def resources_released(cluster: Any) -> Iterator[None]:
+    """After the test: every CPU is free again and no placement group is left."""
+    yield
+    deadline = time.monotonic() + RESOURCE_RELEASE_WAIT_S
+    while time.monotonic() < deadline:
+        total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
+        groups = [group for group in ray.util.placement_group_table().values() if group["state"] != "REMOVED"]
+        if free == total and not groups:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the test left resources held: {free} of {total} CPUs free, placement groups {groups}")
+
+
+ray_test = pytest.mark.usefixtures("resources_released")
+
+
+# -- train functions ----------------------------------------------------------------------------
+
+
+def report_placement() -> None:
+    """Rank 0 reports every rank's view of itself."""
+    import torch.distributed as dist
+
+    context = lockstep.get_context()
+    mine = {
+        "rank": context.get_world_rank(), "local_rank": context.get_local_rank(),
+        "local_world_size": context.get_local_world_size(), "node_rank": context.get_node_rank(),
+        "node": os.environ["LOCKSTEP_TEST_NODE"], "ray_node": ray.get_runtime_context().get_node_id(),
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    }
+    everyone: list[Any] = [None] * context.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    lockstep.report({"ranks": everyone})
+
+
+def fit_on_ray(train_fn: Any, storage_path: str, **scaling: Any) -> lockstep.Result:
+    run = RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=scaling.pop("max_failures", 0)))
+    return TorchTrainer(train_fn, scaling_config=ScalingConfig(**scaling), run_config=run).fit()
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_spread_places_ranks_node_by_node(storage_path: str) -> None:
+    result = fit_on_ray(report_placement, storage_path, num_workers=4, placement_strategy="SPREAD")
+    ranks = result.metrics["ranks"]
+    assert [entry["rank"] for entry in ranks] == [0, 1, 2, 3]
+    assert {entry["node"] for entry in ranks} == {"0", "1"}
+    for node_rank in (0, 1):
+        on_node = [entry for entry in ranks if entry["node_rank"] == node_rank]
+        assert len({entry["ray_node"] for entry in on_node}) == 1, "a node rank spans two Ray nodes"
+        assert sorted(entry["local_rank"] for entry in on_node) == [0, 1]
+        assert all(entry["local_world_size"] == 2 for entry in on_node)
+    assert [entry["node_rank"] for entry in ranks] == [0, 0, 1, 1], "ranks are not grouped by node"
+    assert len({entry["master"] for entry in ranks}) == 1
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_pack_keeps_ranks_on_one_node(storage_path: str) -> None:
+    result = fit_on_ray(report_placement, storage_path, num_workers=2, placement_strategy="PACK")
+    ranks = result.metrics["ranks"]
+    assert len({entry["ray_node"] for entry in ranks}) == 1
+    assert [(entry["local_rank"], entry["node_rank"], entry["local_world_size"]) for entry in ranks] == [(0, 0, 2), (1, 0, 2)]
+
+
+def fail_on_rank_1() -> None:
+    if lockstep.get_context().get_world_rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    lockstep.report({"never": True})
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
+    with pytest.raises(TrainingFailedError) as failure:
+        fit_on_ray(fail_on_rank_1, storage_path, num_workers=2, placement_strategy="SPREAD")
+    message = str(failure.value)
+    assert "rank 1" in message and "ValueError: rank 1 fails on purpose" in message
+    assert f'File "{__file__}"' in message and "in fail_on_rank_1" in message
+    assert "rank 0 was still running, here:" in message
+
+
+@ray_test
+@pytest.mark.timeout(60)
+def test_a_request_the_cluster_can_never_hold_fails_at_once(storage_path: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"(?s)can't hold 2 workers .*no node holds more than 1.*node [0-9.]+ \([0-9a-f]{8}\): CPU=2, memory="):
+        fit_on_ray(report_placement, storage_path, num_workers=2, resources_per_worker={"CPU": 2},
+                   placement_strategy="STRICT_PACK")
+    with pytest.raises(ValueError, match="STRICT_SPREAD needs 3 nodes"):
+        fit_on_ray(report_placement, storage_path, num_workers=3, placement_strategy="STRICT_SPREAD")
+    with pytest.raises(ValueError, match=r"'TPU': 1\.0"):
+        fit_on_ray(report_placement, storage_path, num_workers=1, resources_per_worker={"CPU": 1, "TPU": 1})
+    assert time.monotonic() - started < 10
+
+
+@ray_test
+@pytest.mark.timeout(60)
+def test_resources_held_by_others_fail_after_the_placement_timeout(storage_path: str) -> None:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    holder = placement_group([{"CPU": NODE_CPUS}, {"CPU": NODE_CPUS}], strategy="STRICT_SPREAD")
+    assert holder.wait(timeout_seconds=30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TrainingFailedError, match=r"(?s)within 2 s \(ScalingConfig.placement_timeout_s\).*Available now"):
+            fit_on_ray(report_placement, storage_path, num_workers=2, placement_timeout_s=2)
+        assert 2 <= time.monotonic() - started < 20
+    finally:
+        remove_placement_group(holder)
+
+
+def read_ray_shards() -> None:
+    import torch
+    import torch.distributed as dist
+
+    shard = lockstep.get_dataset_shard("train")
+    ids = [int(value) for batch in shard.iter_batches(batch_size=16) for value in batch["id"]]
+    tensors = list(shard.iter_torch_batches(batch_size=16))
+    everyone: list[Any] = [None] * lockstep.get_context().get_world_size()
+    dist.all_gather_object(everyone, ids)
+    lockstep.report({"ids": everyone, "tensor_batches": all(isinstance(batch["id"], torch.Tensor) for batch in tensors)})
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_a_ray_dataset_is_split_into_equal_disjoint_shards(storage_path: str) -> None:
+    dataset = ray.data.range(100)
+    trainer = TorchTrainer(
+        read_ray_shards, datasets={"train": dataset}, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path),
+    )
+    metrics = trainer.fit().metrics
+    first, second = metrics["ids"]
+    assert len(first) == len(second) == 50
+    assert sorted(first + second) == list(range(100))
+    assert metrics["tensor_batches"]
+
+
+def checkpoint_once() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(folder))
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_storage_a_node_cannot_see_is_named(tmp_path: Path) -> None:
+    from node_local_fs import NodeLocalFileSystem
+
+    trainer = TorchTrainer(
+        checkpoint_once, scaling_config=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD"),
+        run_config=RunConfig(name="unshared", storage_path="runs", storage_filesystem=NodeLocalFileSystem(str(tmp_path))),
+    )
+    with pytest.raises(TrainingFailedError, match=r"rank \d can't see the run folder .* must be shared by every node"):
+        trainer.fit()
+
+
+@ray_test
+@pytest.mark.timeout(200)
+def test_seed_003_script_with_ray_init_trains_on_the_cluster(cluster: Any, tmp_path: Path, data_dir: Path) -> None:
+    script = REPO_ROOT / "tests" / "scripts" / "seed_003_lockstep.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--num-workers", "2", "--address", cluster.address],
+        capture_output=True, text=True, timeout=190, cwd=REPO_ROOT,
+        env={**os.environ, "LOCKSTEP_DATA": str(data_dir), "HOME": str(tmp_path)},
+    )
+    assert completed.returncode == 0, f"{completed.stdout}\n{completed.stderr}"
+    assert "Last result: {'loss': " in completed.stdout
+    (run,) = (tmp_path / "lockstep_results").iterdir()
+    record = json.loads((run / "lockstep_run.json").read_text())
+    assert record["executor"] == "ray" and record["status"] == "finished"
+
+
+def train_until_a_node_is_lost(config: dict[str, Any]) -> None:
+    """Report a checkpoint per step; in the first attempt, stop after step 1 and wait (to be
+    killed with the node)."""
+    context = lockstep.get_context()
+    start = lockstep.get_checkpoint()
+    first_step = int(Path(start.path, "step").read_text()) + 1 if start else 0
+    for step in range(first_step, 4):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step").write_text(str(step))
+            lockstep.report({"step": step, "node": os.environ["LOCKSTEP_TEST_NODE"], "rank": context.get_world_rank()},
+                            checkpoint=Checkpoint.from_directory(folder))
+        if start is None and step == 1:
+            Path(config["reached"]).write_text("step 1")
+            threading.Event().wait()
+
+
+@ray_test
+@pytest.mark.timeout(240)
+def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster: Any, storage_path: str, tmp_path: Path) -> None:
+    """Runs last: it removes worker node 1 from the module's cluster."""
+    reached = tmp_path / "reached"
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = TorchTrainer(
+                train_until_a_node_is_lost, train_loop_config={"reached": str(reached)},
+                scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+                run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
+            ).fit()
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = error
+
+    driver = threading.Thread(target=fit)
+    driver.start()
+    deadline = time.monotonic() + 150
+    while not reached.exists():
+        assert driver.is_alive() and time.monotonic() < deadline, f"the run never reached step 1: {outcome}"
+        time.sleep(0.05)
+    cluster.remove_node(cluster.worker_nodes_list[1], allow_graceful=False)
+    driver.join(180)
+    assert not driver.is_alive()
+    result = outcome.get("result")
+    assert result is not None, outcome.get("error")
+    assert result.num_failures == 1
+    assert result.metrics["step"] == 3 and result.metrics["node"] == "0"
+    steps = [row["step"] for row in result.metrics_history]
+    assert steps == [0, 1, 2, 3]
+    assert Path(result.checkpoint.path, "step").read_text() == "3"
+
+
+# -- without a cluster --------------------------------------------------------------------------
+
+
+def place(node: str, *gpus: str) -> WorkerPlace:
+    return WorkerPlace(node_id=node, node_ip=f"10.0.0.{ord(node[0]) % 10}", gpu_ids=tuple(gpus), pid=0)
+
+
+def test_ranks_are_grouped_by_node_driver_node_first_then_by_gpu() -> None:
+    places = [place("b", "1"), place("a", "3"), place("b", "0"), place("a", "2")]
+    ranks = assign_ranks(places, first_node_id="a")
+    assert [(rank.actor_index, rank.node_rank, rank.local_rank) for rank in ranks] == [(3, 0, 0), (1, 0, 1), (2, 1, 0), (0, 1, 1)]
+    env = rank_env(ranks, ranks[2], 29500, cpus=2, use_gpu=True)
+    assert env["RANK"] == "2" and env["LOCAL_RANK"] == "0" and env["NODE_RANK"] == "1"
+    assert env["MASTER_ADDR"] == places[3].node_ip and env["MASTER_PORT"] == "29500"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["LOCKSTEP_GPU_IDS"] == "0"
+    assert env["OMP_NUM_THREADS"] == "2"
+
+
+def test_gpu_ids_sort_as_numbers() -> None:
+    ranks = assign_ranks([place("a", "10"), place("a", "9")])
+    assert [rank.actor_index for rank in ranks] == [1, 0]
+
+
+@pytest.mark.parametrize("strategy, count, nodes, problem", [
+    ("PACK", 4, [{"CPU": 2}, {"CPU": 2}], None),
+    ("PACK", 5, [{"CPU": 2}, {"CPU": 2}], "hold at most 4"),
+    ("STRICT_PACK", 3, [{"CPU": 2}, {"CPU": 2}], "no node holds more than 2"),
+    ("STRICT_PACK", 2, [{"CPU": 1}, {"CPU": 2}], None),
+    ("STRICT_SPREAD", 2, [{"CPU": 4}, {"CPU": 0}], "2 nodes that each hold a worker, and 1 do"),
+    ("SPREAD", 1, [{"CPU": 8}], None),
+])
+def test_placement_problem(strategy: str, count: int, nodes: list[dict[str, float]], problem: str | None) -> None:
+    found = placement_problem({"CPU": 1}, count, strategy, nodes)
+    assert (found is None) if problem is None else (problem in (found or "")), found
+
+
+def test_bundle_carries_gpus_custom_resources_and_accelerator_type() -> None:
+    spec = GroupSpec(num_workers=1, cpus_per_worker=2, gpus_per_worker=1, use_gpu=True,
+                     resources_per_worker={"CPU": 2, "GPU": 1, "special": 1}, accelerator_type="A100")
+    assert worker_bundle(spec) == {"CPU": 2.0, "GPU": 1.0, "special": 1.0, "accelerator_type:A100": 0.001}
+    assert placement_problem(worker_bundle(spec), 1, "PACK", [{"CPU": 8, "GPU": 8, "special": 1}]) is not None
+
+
+def test_asking_for_ray_without_ray_installed_says_how_to_install(monkeypatch: pytest.MonkeyPatch, storage_path: str) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ValueError, match=r"pip install 'lockstep\[ray\]'"):
+        TorchTrainer(report_placement, scaling_config=ScalingConfig(executor="ray"),
+                     run_config=RunConfig(storage_path=storage_path)).fit()
+
+
+def test_ray_executor_fields_are_validated() -> None:
+    with pytest.raises(ValueError, match="executor='cloud' is unknown"):
+        ScalingConfig(executor="cloud")
+    with pytest.raises(ValueError, match="placement_timeout_s"):
+        ScalingConfig(placement_timeout_s=0)
+    with pytest.raises(ValueError, match="ray_address is set but executor='local'"):
+        ScalingConfig(executor="local", ray_address="auto")
+    assert ScalingConfig(ray_address="auto").wants_ray
