@@ -144,7 +144,7 @@ def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
 @pytest.mark.timeout(60)
 def test_a_request_the_cluster_can_never_hold_fails_at_once(storage_path: str) -> None:
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"(?s)can't hold 2 workers .*no node holds more than 1.*node [0-9.]+ \([0-9a-f]{8}\): CPU=2, memory="):
+    with pytest.raises(ValueError, match=r"(?s)can't hold 2 worker\(s\) .*no node holds more than 1.*node [0-9.]+ \([0-9a-f]{8}\): CPU=2, memory="):
         fit_on_ray(report_placement, storage_path, num_workers=2, resources_per_worker={"CPU": 2},
                    placement_strategy="STRICT_PACK")
     with pytest.raises(ValueError, match="STRICT_SPREAD needs 3 nodes"):
@@ -179,15 +179,18 @@ def read_ray_shards() -> None:
     tensors = list(shard.iter_torch_batches(batch_size=16))
     everyone: list[Any] = [None] * lockstep.get_context().get_world_size()
     dist.all_gather_object(everyone, ids)
-    lockstep.report({"ids": everyone, "tensor_batches": all(isinstance(batch["id"], torch.Tensor) for batch in tensors)})
+    torch_shard = [int(item) for item in lockstep.get_dataset_shard("numbers")]
+    lockstep.report({"ids": everyone, "tensor_batches": all(isinstance(batch["id"], torch.Tensor) for batch in tensors),
+                     "numbers": torch_shard})
 
 
 @ray_test
 @pytest.mark.timeout(120)
-def test_a_ray_dataset_is_split_into_equal_disjoint_shards(storage_path: str) -> None:
+def test_ray_datasets_get_streaming_splits_and_torch_datasets_shards(storage_path: str) -> None:
     dataset = ray.data.range(100)
     trainer = TorchTrainer(
-        read_ray_shards, datasets={"train": dataset}, scaling_config=ScalingConfig(num_workers=2),
+        read_ray_shards, datasets={"train": dataset, "numbers": list(range(10, 20))},
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=storage_path),
     )
     metrics = trainer.fit().metrics
@@ -195,6 +198,27 @@ def test_a_ray_dataset_is_split_into_equal_disjoint_shards(storage_path: str) ->
     assert len(first) == len(second) == 50
     assert sorted(first + second) == list(range(100))
     assert metrics["tensor_batches"]
+    assert metrics["numbers"] == list(range(10, 15)), "a map-style dataset is not sharded as on one machine"
+
+
+def print_from_every_rank() -> None:
+    rank = lockstep.get_context().get_world_rank()
+    print(f"print from rank {rank}")
+    os.write(2, f"fd 2 of rank {rank}\n".encode())
+    lockstep.report({"rank": rank})
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_worker_output_reaches_the_console_and_per_rank_logs(storage_path: str, capfd: pytest.CaptureFixture[str]) -> None:
+    run = RunConfig(name="printing", storage_path=storage_path)
+    TorchTrainer(print_from_every_rank, scaling_config=ScalingConfig(num_workers=2), run_config=run).fit()
+    console = capfd.readouterr()
+    assert "print from rank 0" in console.out and "fd 2 of rank 0" in console.err
+    assert "rank 1" not in console.out + console.err
+    logs = Path(storage_path, "printing", "logs")
+    assert "print from rank 1" in (logs / "rank_1.log").read_text()
+    assert "fd 2 of rank 1" in (logs / "rank_1.log").read_text()
 
 
 def checkpoint_once() -> None:

@@ -73,6 +73,16 @@ class CheckpointUploaded:
 
 
 @dataclass(frozen=True)
+class Output:
+    """Bytes a rank wrote to stdout or stderr (sent by executors whose workers' output doesn't
+    reach the driver through a pipe, such as Ray actors on other nodes)."""
+
+    rank: int
+    is_stderr: bool
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Finished:
     """The train function returned; rank 0 sends its pickled return value."""
 

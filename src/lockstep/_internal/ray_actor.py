@@ -68,7 +68,8 @@ class RayWorker:
         rank = int(env["RANK"])
         channel = protocol.connect_to_driver(env)
         channel.send(protocol.Hello(rank, os.getpid()))
-        outcome, exit_code = run_to_outcome(rank, channel, lambda: payload, datasets)
+        with ForwardedOutput(channel, rank):
+            outcome, exit_code = run_to_outcome(rank, channel, lambda: payload, datasets)
         try:
             channel.send(outcome)
         finally:
@@ -82,3 +83,61 @@ class RayWorker:
             return ""
         lines = traceback.format_stack(frame)
         return "".join(line for line in lines if not any(part in line.splitlines()[0] for part in PLUMBING))
+
+
+class ForwardedOutput:
+    """While active, what this process writes to its stdout and stderr (Python's and C's alike)
+    goes to the driver as :class:`~lockstep._internal.protocol.Output` messages instead of to
+    Ray's log files, so the driver treats it as it treats a local worker's output."""
+
+    def __init__(self, channel: protocol.WorkerChannel, rank: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self._saved: dict[int, int] = {}
+        self._readers: list[threading.Thread] = []
+
+    def __enter__(self) -> ForwardedOutput:
+        _flush_python_streams()
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(line_buffering=True)
+        for fd in (1, 2):
+            read_end, write_end = os.pipe()
+            self._saved[fd] = os.dup(fd)
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            reader = threading.Thread(target=self._forward, args=(read_end, fd == 2), daemon=True,
+                                      name=f"lockstep-forward-fd{fd}")
+            reader.start()
+            self._readers.append(reader)
+        return self
+
+    def _forward(self, read_end: int, is_stderr: bool) -> None:
+        try:
+            while chunk := os.read(read_end, 65536):
+                self.channel.send(protocol.Output(self.rank, is_stderr, chunk))
+        except OSError:
+            pass  # the driver is gone; nothing left to tell it
+        finally:
+            os.close(read_end)
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Put the streams back; wait (briefly: data-loader processes may still hold them) until
+        everything written has been sent."""
+        _flush_python_streams()
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        for reader in self._readers:
+            reader.join(OUTPUT_DRAIN_S)
+
+
+OUTPUT_DRAIN_S = 5.0
+
+
+def _flush_python_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

@@ -151,11 +151,7 @@ class LocalWorkerGroup(WorkerGroup):
 
     def output_tail(self, rank: int) -> str:
         """The last lines ``rank`` wrote to stderr, and where its full log is."""
-        if self._output is None:
-            return ""
-        tail = self._output.stderr_tail(rank).rstrip()
-        where = f"(full output: {self._output.log_path(rank)})"
-        return f"{tail}\n{where}" if tail else where
+        return self._output.tail_with_log_path(rank) if self._output is not None else ""
 
     def _stack_file(self, rank: int) -> str:
         return os.path.join(self._stack_dir, f"rank{rank}.txt")

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from lockstep._internal import protocol
 from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.local import user_python_path
 from lockstep._internal.ray_actor import RayWorker, WorkerPlace
 from lockstep._internal.worker import ENV_GPU_IDS
+from lockstep._internal.worker_output import OutputRelay
 from lockstep.errors import TrainingFailedError
 
 logger = logging.getLogger(__name__)
@@ -140,7 +142,7 @@ def check_request(spec: GroupSpec, error_type: type[Exception] = ValueError) -> 
     problem = placement_problem(bundle, spec.num_workers, spec.placement_strategy, list(nodes.values()))
     if problem:
         raise error_type(
-            f"The Ray cluster can't hold {spec.num_workers} workers of {bundle} ({spec.placement_strategy}): "
+            f"The Ray cluster can't hold {spec.num_workers} worker(s) of {bundle} ({spec.placement_strategy}): "
             f"{problem}.\nThe cluster's nodes:\n{describe_nodes(nodes)}\n"
             "Ask for fewer workers or resources (ScalingConfig), another placement_strategy, or add nodes."
         )
@@ -165,7 +167,7 @@ def reserve(spec: GroupSpec) -> Any:
     remove_placement_group(group)
     available = {key: value for key, value in ray.available_resources().items() if not key.startswith("node:")}
     raise TrainingFailedError(
-        f"Ray could not place {spec.num_workers} workers of {bundle} ({spec.placement_strategy}) within "
+        f"Ray could not place {spec.num_workers} worker(s) of {bundle} ({spec.placement_strategy}) within "
         f"{spec.placement_timeout_s:g} s (ScalingConfig.placement_timeout_s): other work holds the resources. "
         f"Available now: {_short_resources(available)}.\nThe cluster's nodes:\n{describe_nodes(alive_nodes())}\n"
         "Free resources, add nodes, ask for less, or wait longer."
@@ -276,6 +278,7 @@ class RayWorkerGroup(WorkerGroup):
         self._ended: queue.SimpleQueue[WorkerExited] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._watcher: threading.Thread | None = None
+        self._output = OutputRelay(spec.log_dir, spec.console) if spec.log_dir else None
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -355,7 +358,18 @@ class RayWorkerGroup(WorkerGroup):
         for exited in ended:
             events += self._channels.drain_rank(exited.rank, until_closed_s=LAST_MESSAGES_WAIT_S)
             events.append(exited)
-        return events
+        return self._without_output(events)
+
+    def _without_output(self, events: list[Any]) -> list[Any]:
+        """Hand the workers' output to the relay (logs, console); return the other events."""
+        others = []
+        for event in events:
+            if isinstance(event, protocol.Output):
+                if self._output is not None:
+                    self._output.write(event.rank, event.data, event.is_stderr)
+            else:
+                others.append(event)
+        return others
 
     def send(self, rank: int, message: Any) -> None:
         """Send a message to a rank (ignored if that rank is already gone)."""
@@ -364,11 +378,8 @@ class RayWorkerGroup(WorkerGroup):
     # -- diagnostics ---------------------------------------------------------------------------
 
     def output_tail(self, rank: int) -> str:
-        """Where a dead rank's output is: Ray keeps it in its log folder on the rank's node."""
-        if rank >= len(self._places):
-            return ""
-        place = self._places[rank].place
-        return f"(its output is in Ray's worker logs on node {place.node_ip}, pid {place.pid}: /tmp/ray/session_latest/logs)"
+        """The last lines ``rank`` wrote to stderr, and where its full log is."""
+        return self._output.tail_with_log_path(rank) if self._output is not None else ""
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank's actor where its train function is (up to 2 s in all)."""
@@ -399,6 +410,8 @@ class RayWorkerGroup(WorkerGroup):
             remove_placement_group(self._placement_group)
             self._placement_group = None
         self._channels.close()
+        if self._output is not None:
+            self._output.close()
         if self._watcher is None or not self._watcher.is_alive():  # else it may still write to the pipe
             os.close(self._wake_read)
             os.close(self._wake_write)
