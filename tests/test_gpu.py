@@ -1,0 +1,54 @@
+"""GPU paths (nccl, device placement, copies on a side stream). They run only where CUDA is
+available: on a lent GPU machine through benchmarks/gpu_check.sh; skipped elsewhere (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lockstep
+from lockstep import RunConfig, ScalingConfig
+from lockstep.torch import TorchTrainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def nccl_and_placement() -> None:
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lockstep.torch import get_device, prepare_data_loader, prepare_model
+
+    device = get_device()
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)
+    model = prepare_model(torch.nn.Linear(4, 2))
+    inputs = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    loader = prepare_data_loader(DataLoader(TensorDataset(inputs), batch_size=8))
+    batches = [batch for (batch,) in loader]
+    lockstep.report({
+        "backend": dist.get_backend(), "device": str(device), "sum": total.item(),
+        "model_device": str(next(model.parameters()).device),
+        "batch_devices": sorted({str(batch.device) for batch in batches}),
+        "batches_equal": torch.equal(torch.cat([batch.cpu() for batch in batches]), inputs),
+        "visible": torch.cuda.device_count(),
+    })
+
+
+@pytest.mark.timeout(180)
+def test_one_gpu_worker_uses_nccl_and_its_device(tmp_path) -> None:
+    result = TorchTrainer(nccl_and_placement, scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    metrics = result.metrics
+    assert metrics["backend"] == "nccl" and metrics["device"] == "cuda:0" and metrics["sum"] == 1.0
+    assert metrics["model_device"] == "cuda:0" and metrics["batch_devices"] == ["cuda:0"]
+    assert metrics["batches_equal"], "batches copied on the side stream differ from the data"
+    assert metrics["visible"] == 1, "a worker sees GPUs that are not its own"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_workers_each_get_their_own_gpu(tmp_path) -> None:
+    result = TorchTrainer(nccl_and_placement, scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert result.metrics["sum"] == 2.0 and result.metrics["device"] == "cuda:0"
