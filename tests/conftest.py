@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,20 @@ def data_dir() -> Path:
     if not (DATA_DIR / "FashionMNIST" / "raw").is_dir():
         pytest.skip(f"Fashion-MNIST not found in {DATA_DIR}; set LOCKSTEP_DATA")
     return DATA_DIR
+
+
+@pytest.fixture(scope="module")
+def s3_env() -> Iterator[dict[str, str]]:
+    """A moto S3 server (a real process on 127.0.0.1) for one test module, with the bucket "runs"
+    created and the AWS_* variables pointing at it."""
+    from s3_server import apply_env, restore_env, s3_server
+
+    with s3_server() as env:
+        previous = apply_env(env)
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("runs")
+        try:
+            yield env
+        finally:
+            restore_env(previous)

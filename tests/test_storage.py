@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,23 +11,9 @@ import pytest
 import lockstep
 from lockstep import Checkpoint, CheckpointConfig, CheckpointUploadMode, Result, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep.torch import TorchTrainer
-from s3_server import apply_env, restore_env, s3_server
+from s3_server import s3_server
 
 pytestmark = pytest.mark.timeout(150)
-
-
-@pytest.fixture(scope="module")
-def s3_env() -> Iterator[dict[str, str]]:
-    """A moto S3 server for this module, with the bucket "runs" created."""
-    with s3_server() as env:
-        previous = apply_env(env)
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("runs")
-        try:
-            yield env
-        finally:
-            restore_env(previous)
 
 
 def checkpoint_every_step(config: dict) -> None:

@@ -469,3 +469,26 @@ def test_collective_timeout_names_the_rank_and_shows_where_the_other_was(storage
     failure, stack_of_rank_0 = message.split("rank 0 was still running, here:")
     assert "Timed out" in failure and "dist.all_reduce(torch.ones(1))" in failure
     assert "in stuck_in_a_collective_while_rank_zero_computes" in stack_of_rank_0
+
+
+def test_large_captured_tensors_are_shared_by_the_workers_not_copied(storage_path: str) -> None:
+    ones = torch.ones(4 * 2**20)  # 16 MiB, captured by the train function below
+
+    def train_fn() -> None:
+        address = ones.data_ptr()
+        mapped_from_payload = False
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                low, high = (int(part, 16) for part in line.split()[0].split("-"))
+                mapped_from_payload |= low <= address < high and "lockstep_payload" in line
+        if lockstep.get_context().get_world_rank() == 0:
+            ones.add_(1)  # copy-on-write: the other rank must not see this
+        dist.barrier()
+        everyone: list = [None, None]
+        dist.all_gather_object(everyone, (mapped_from_payload, float(ones.sum())))
+        lockstep.report({"ranks": everyone})
+
+    result = TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=storage_path)).fit()
+    assert result.metrics["ranks"] == [[True, 2.0 * ones.numel()], [True, float(ones.numel())]]
+    assert float(ones.sum()) == ones.numel()

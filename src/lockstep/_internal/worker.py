@@ -11,6 +11,7 @@ import ctypes
 import faulthandler
 import inspect
 import logging
+import mmap
 import os
 import signal
 import sys
@@ -68,7 +69,7 @@ def main() -> None:
 
 
 def run_to_outcome(
-    rank: int, channel: WorkerChannel, read_payload: Callable[[], bytes], extra_datasets: dict[str, Any] | None = None
+    rank: int, channel: WorkerChannel, read_payload: Callable[[], Any], extra_datasets: dict[str, Any] | None = None
 ) -> tuple[Any, int]:
     """Run the rank and say how it ended: a Finished or Failed message, and an exit code."""
     from lockstep._internal import protocol
@@ -80,20 +81,20 @@ def run_to_outcome(
 
 
 def run_rank(
-    rank: int, channel: WorkerChannel, read_payload: Callable[[], bytes], extra_datasets: dict[str, Any] | None = None
+    rank: int, channel: WorkerChannel, read_payload: Callable[[], Any], extra_datasets: dict[str, Any] | None = None
 ) -> bytes | None:
     """Load the payload, run the train function, and return rank 0's pickled return value.
 
     ``extra_datasets`` are shards the executor made for this rank (Ray Data's streaming splits).
     """
-    import cloudpickle
     import torch
 
+    from lockstep._internal.payload import deserialize_payload
     from lockstep.context import TrainContext, WorkerSession, set_session
     from lockstep.data import shard_datasets
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    payload = cloudpickle.loads(read_payload())
+    payload = deserialize_payload(read_payload())
     restore_source_file(payload.train_fn, payload.main_file)
     context = TrainContext(
         world_rank=rank,
@@ -121,13 +122,14 @@ def run_rank(
     return _pickled_return_value(value) if rank == 0 else None
 
 
-def _read_payload(inherited_fd: int) -> bytes:
-    """Read the driver's in-memory payload file (through a fresh file description, so ranks
-    don't share a read offset) and let go of it."""
+def _read_payload(inherited_fd: int) -> mmap.mmap:
+    """Map the driver's in-memory payload file copy-on-write (through a fresh file description,
+    so ranks share no offset) and let go of the descriptor: the map keeps the memory alive, and
+    the payload's tensors are used from it without a copy."""
     with open(f"/proc/self/fd/{inherited_fd}", "rb") as handle:
-        data = handle.read()
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     os.close(inherited_fd)
-    return data
+    return mapped
 
 
 def restore_source_file(train_fn: Callable[..., Any], main_file: str | None) -> None:

@@ -1,0 +1,187 @@
+"""The ``lockstep`` command: list, show and plot runs kept in storage (local paths or URIs).
+
+    lockstep runs [STORAGE]                      # default ~/lockstep_results
+    lockstep show RUN                            # a run folder, or a run name in --storage
+    lockstep plot RUN [--metric M ...] -o curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lockstep._internal.storage import RECORD_FILE, RunStorage, join, resolve_filesystem
+from lockstep.config import DEFAULT_STORAGE_PATH
+from lockstep.result import Result
+
+SHOWN_ROWS = 20
+
+
+# -- finding runs -------------------------------------------------------------------------------
+
+
+def find_runs(storage_path: str) -> list[RunStorage]:
+    """The runs directly under ``storage_path`` (folders holding a run record), oldest first."""
+    filesystem, root = resolve_filesystem(storage_path)
+    if not filesystem.isdir(root):
+        raise FileNotFoundError(f"{storage_path!r} is not a folder; pass the storage_path your runs used.")
+    folders = [entry["name"] for entry in filesystem.ls(root, detail=True) if entry.get("type") == "directory"]
+    runs = [RunStorage(folder, filesystem) for folder in folders if filesystem.exists(join(folder, RECORD_FILE))]
+    return sorted(runs, key=lambda run: (run.read_record() or {}).get("created_at", ""))
+
+
+def open_run(run: str, storage_path: str) -> RunStorage:
+    """A run given as its folder (path or URI), or as a name under ``storage_path``."""
+    for storage in (RunStorage(run), RunStorage.for_run(storage_path, run)):
+        if storage.read_record() is not None:
+            return storage
+    raise FileNotFoundError(
+        f"no lockstep run at {run!r} nor named {run!r} in {storage_path!r}; `lockstep runs {storage_path}` lists them."
+    )
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def short_metrics(metrics: dict[str, Any] | None, limit: int = 60) -> str:
+    """Metrics on one line, numbers to 4 significant digits, cut to ``limit`` characters."""
+    if not metrics:
+        return "-"
+    text = ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in metrics.items())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def runs_table(runs: list[RunStorage]) -> str:
+    """One line per run: name, status, reports, last metrics, checkpoints, path."""
+    rows = [("NAME", "STATUS", "REPORTS", "LAST METRICS", "CHECKPOINTS", "PATH")]
+    for run in runs:
+        record = run.read_record() or {}
+        reports = run.read_reports()
+        rows.append((
+            record.get("name", run.name), record.get("status", "?"), str(len(reports)),
+            short_metrics(reports[-1]["metrics"] if reports else None), str(len(record.get("checkpoints", []))),
+            run.display_path,
+        ))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def run_summary(run: RunStorage, all_rows: bool = False) -> str:
+    """What ``lockstep show`` prints: the record, the metrics table, and the failure if any."""
+    record = run.read_record() or {}
+    result = Result.from_path(run.display_path)
+    lines = [
+        f"run:          {record.get('name', run.name)}",
+        f"path:         {run.display_path}",
+        f"status:       {record.get('status', '?')}",
+        f"created:      {record.get('created_at', '?')}   finished: {record.get('finished_at', '-')}",
+        f"workers:      {record.get('world_size', '?')} ({record.get('executor', 'local')} executor)",
+        f"reports:      {len(result.metrics_history)}   restarts after failures: {result.num_failures}",
+        f"checkpoints:  {len(result.best_checkpoints)} kept; latest: {result.checkpoint.path if result.checkpoint else '-'}",
+        "",
+    ]
+    frame = result.metrics_dataframe
+    if frame is not None and len(frame):
+        shown = frame if all_rows or len(frame) <= SHOWN_ROWS else frame.tail(SHOWN_ROWS)
+        if len(shown) < len(frame):
+            lines.append(f"last {len(shown)} of {len(frame)} reports (--all for every one):")
+        table = shown.drop(columns=["timestamp"], errors="ignore").dropna(axis=1, how="all")
+        lines += [table.to_string(index=False), ""]
+    if result.error is not None:
+        lines += ["failure:", str(result.error)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# -- plot ---------------------------------------------------------------------------------------
+
+
+def numeric_metrics(history: list[dict[str, Any]]) -> list[str]:
+    """Metric names with a number in at least one report (in first-seen order)."""
+    names: dict[str, None] = {}
+    for row in history:
+        for key, value in row.items():
+            if key not in ("report_index", "timestamp") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                names.setdefault(key)
+    return list(names)
+
+
+def plot_run(run: RunStorage, metrics: Sequence[str] | None, output: str) -> list[str]:
+    """Draw each metric against the report index into ``output`` (one panel per metric);
+    return the metrics drawn.
+
+    Raises:
+        ValueError: the run has no such metric, or nothing numeric to draw.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = Result.from_path(run.display_path).metrics_history
+    available = numeric_metrics(history)
+    chosen = list(metrics or available)
+    unknown = [name for name in chosen if name not in available]
+    if unknown or not chosen:
+        raise ValueError(f"no numeric metric {unknown or ''} in {run.display_path}; it has: {', '.join(available) or 'none'}.")
+    figure, axes = plt.subplots(len(chosen), 1, figsize=(7, 2.6 * len(chosen)), sharex=True, squeeze=False)
+    for axis, name in zip(axes[:, 0], chosen):
+        points = [(row["report_index"], row[name]) for row in history if isinstance(row.get(name), (int, float))]
+        axis.plot([index for index, _ in points], [value for _, value in points], marker="o", markersize=3)
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("report")
+    figure.suptitle(run.name)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return chosen
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lockstep", description="List, show and plot lockstep runs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    runs = commands.add_parser("runs", help="list the runs in a storage path")
+    runs.add_argument("storage", nargs="?", default=DEFAULT_STORAGE_PATH, help=f"default {DEFAULT_STORAGE_PATH}")
+    runs.add_argument("--json", action="store_true", help="one JSON object per run")
+    show = commands.add_parser("show", help="a run's summary, metrics and failure")
+    show.add_argument("run", help="the run folder (path or URI), or a run name in --storage")
+    show.add_argument("--storage", default=DEFAULT_STORAGE_PATH, help="where to look a run name up")
+    show.add_argument("--all", action="store_true", help=f"every report, not only the last {SHOWN_ROWS}")
+    plot = commands.add_parser("plot", help="draw metrics against the report index")
+    plot.add_argument("run", help="the run folder (path or URI), or a run name in --storage")
+    plot.add_argument("--storage", default=DEFAULT_STORAGE_PATH)
+    plot.add_argument("--metric", "-m", action="append", help="a metric to draw (repeat it; default: every numeric one)")
+    plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lockstep`` console script; returns the exit status."""
+    args = parse_args(argv)
+    try:
+        if args.command == "runs":
+            found = find_runs(args.storage)
+            if args.json:
+                for run in found:
+                    print(json.dumps({**(run.read_record() or {}), "path": run.display_path}))
+            else:
+                print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
+        elif args.command == "show":
+            print(run_summary(open_run(args.run, args.storage), args.all), end="")
+        else:
+            drawn = plot_run(open_run(args.run, args.storage), args.metric, args.output)
+            print(f"wrote {args.output} ({', '.join(drawn)})")
+    except (OSError, ValueError) as error:
+        print(f"lockstep {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
