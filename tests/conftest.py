@@ -69,8 +69,10 @@ def s3_env() -> Iterator[dict[str, str]]:
         previous = apply_env(env)
         import s3fs
 
+        s3fs.S3FileSystem.clear_instance_cache()  # cached instances point at an earlier server
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir("runs")
         try:
             yield env
         finally:
             restore_env(previous)
+            s3fs.S3FileSystem.clear_instance_cache()

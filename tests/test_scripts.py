@@ -131,3 +131,42 @@ def test_seed_003_script_runs_after_an_import_swap(tmp_path: Path, data_dir: Pat
     assert "Last result: {'loss': " in completed.stdout
     runs = list((tmp_path / "lockstep_results").iterdir())
     assert len(runs) == 1 and runs[0].name.startswith("TorchTrainer_")
+
+
+@pytest.mark.timeout(120)
+def test_progress_line_in_a_pipe_is_plain_lines(tmp_path: Path) -> None:
+    script = str(SCRIPTS / "progress_job.py")
+    completed = run_script([script, str(tmp_path / "a")], 100)
+    lines = completed.stderr.splitlines()
+    assert "lockstep progress | report 0 | " in lines[0] and "2/2 workers | step=0 loss=1" in lines[0]
+    assert lines[-1].startswith("lockstep progress | report 2 | ") and lines[-1].endswith("step=2 loss=0.3333 | finished")
+    assert "\r" not in completed.stderr
+    assert completed.stdout.splitlines() == ["rank 0 says 0", "rank 0 says 1", "rank 0 says 2"]
+    quiet = run_script([script, str(tmp_path / "b"), "0"], 100)
+    assert "lockstep progress" not in quiet.stderr
+
+
+@pytest.mark.timeout(120)
+def test_progress_line_on_a_terminal_updates_in_place_around_worker_output(tmp_path: Path) -> None:
+    import pty
+
+    main_end, terminal = pty.openpty()
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "progress_job.py"), str(tmp_path)],
+                               stdout=terminal, stderr=terminal, cwd=REPO_ROOT)
+    os.close(terminal)
+    screen = b""
+    while chunk := _read_or_empty(main_end):
+        screen += chunk
+    os.close(main_end)
+    assert process.wait(timeout=100) == 0, screen.decode(errors="replace")
+    text = screen.decode()
+    assert "\rlockstep progress | report 1 | " in text and "\x1b[K" in text
+    assert "\r\x1b[Krank 0 says 1\r\n" in text, "worker output is not written on a wiped line"
+    assert text.rstrip().endswith("step=2 loss=0.3333 | finished\x1b[K")
+
+
+def _read_or_empty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # the terminal's other end closed
+        return b""

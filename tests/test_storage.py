@@ -11,7 +11,7 @@ import pytest
 import lockstep
 from lockstep import Checkpoint, CheckpointConfig, CheckpointUploadMode, Result, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep.torch import TorchTrainer
-from s3_server import s3_server
+from s3_server import apply_env, restore_env, s3_server
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -216,8 +216,10 @@ class RunConfig:
         storage_filesystem: An fsspec filesystem to use with ``storage_path``.
         failure_config: Restart policy, see :class:`FailureConfig`.
         checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
-        callbacks: Accepted for Ray Train compatibility; not called yet.
-        verbose: Accepted for Ray Train compatibility; lockstep logs through ``logging``.
+        callbacks: :class:`lockstep.callbacks.Callback` objects the driver calls as the run goes on
+            (e.g. ``CSVLogger()``, ``TensorBoardLogger()``, ``MLflowLogger(...)``).
+        verbose: ``0`` hides lockstep's progress line; any other value (the default, None)
+            shows it: updated in place on a terminal, a plain line at most every 30 s otherwise.
         worker_output: Which workers' printed output the console shows: ``"rank0"`` (default),
             ``"all"`` (each line prefixed with its rank) or ``"none"``. Every rank's output also
             goes to ``<run folder>/logs/rank_<r>.log`` (a lockstep addition).
@@ -249,7 +251,10 @@ class RunConfig:
             raise ValueError(f"RunConfig.failure_config must be a FailureConfig, got {self.failure_config!r}.")
         if not isinstance(self.checkpoint_config, CheckpointConfig):
             raise ValueError(f"RunConfig.checkpoint_config must be a CheckpointConfig, got {self.checkpoint_config!r}.")
+        from lockstep.callbacks import check_callbacks
+
         self.callbacks = list(self.callbacks or [])
+        check_callbacks(self.callbacks)
         if self.worker_output not in CONSOLE_MODES:
             raise ValueError(
                 f"RunConfig.worker_output must be one of {', '.join(CONSOLE_MODES)}, got {self.worker_output!r}."

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from lockstep._internal import progress
 from lockstep._internal.controller import Controller
 from lockstep._internal.executors import make_group_factory
 from lockstep._internal.executors.ray import is_ray_dataset
@@ -16,6 +17,7 @@ from lockstep._internal.payload import WorkerPayload, serialize_payload
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
 from lockstep.backend import BackendConfig
+from lockstep.callbacks import CallbackRunner, RunInfo
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DEFAULT_STORAGE_PATH, DataConfig, RunConfig, ScalingConfig
 from lockstep.result import Result
@@ -104,13 +106,16 @@ class DataParallelTrainer:
             recorder.open()
         logger.info("Run %s: %d workers (%s executor), results in %s", name, scaling.num_workers, make_group.executor,
                     storage.display_path)
+        progress_line = progress.ProgressLine(name, scaling.num_workers) if self.run_config.verbose != 0 else None
         controller = Controller(
             make_group, build_payload, recorder, scaling.num_workers,
             self.run_config.failure_config.max_failures, self.resume_from_checkpoint,
-            self.run_config.failure_config.report_timeout_s,
+            self.run_config.failure_config.report_timeout_s, progress_line,
+            CallbackRunner(self.run_config.callbacks, RunInfo(name, storage.display_path, scaling.num_workers, log_dir)),
         )
         try:
-            return controller.run(first_payload)
+            with progress.showing(progress_line):
+                return controller.run(first_payload)
         finally:
             storage.upload_logs(log_dir)
 

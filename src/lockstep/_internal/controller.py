@@ -18,6 +18,8 @@ import cloudpickle
 
 from lockstep._internal import protocol
 from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.progress import ProgressLine
+from lockstep.callbacks import CallbackRunner
 from lockstep._internal.run_record import RunRecorder
 from lockstep.checkpoint import Checkpoint
 from lockstep.errors import TrainingFailedError, WorkerFailure
@@ -79,6 +81,8 @@ class Controller:
         max_failures: int,
         start_checkpoint: Checkpoint | None = None,
         report_timeout_s: float | None = None,
+        progress: ProgressLine | None = None,
+        callbacks: CallbackRunner | None = None,
     ) -> None:
         self.make_group = make_group
         self.build_payload = build_payload
@@ -87,39 +91,60 @@ class Controller:
         self.max_failures = max_failures
         self.start_checkpoint = start_checkpoint
         self.report_timeout_s = report_timeout_s
+        self.progress = progress
+        self.callbacks = callbacks
         self.failure_history: list[TrainingFailedError] = []
 
     def run(self, first_payload: bytes) -> Result:
         """Run attempts until one succeeds or failures exceed ``max_failures``."""
         payload = first_payload
+        self._callback("on_run_start")
         try:
             while True:
                 attempt = self._run_attempt(payload)
                 if attempt.succeeded:
                     assert not attempt.uploads, f"uploads still pending after every rank finished: {attempt.uploads}"
-                    self.recorder.finish("finished")
+                    self._finish("finished")
                     return self.recorder.result(attempt.return_value)
                 error = TrainingFailedError.from_failures(attempt.failures, self._failure_context(), attempt.stacks)
                 self.failure_history.append(error)
                 self.recorder.count_failure()
+                self._callback("on_failure", error, self._may_restart())
                 if not self._may_restart():
                     raise self._final_error(error)
                 logger.warning("%s\nRestarting the workers (failure %d of %s allowed).", error,
                                len(self.failure_history), self._allowed())
+                if self.progress is not None:
+                    self.progress.on_restart()
                 payload = self.build_payload(self.recorder.next_report_index, self._resume_checkpoint())
         except KeyboardInterrupt:
-            self.recorder.finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
+            self._finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
             raise
         except TrainingFailedError as error:
-            self.recorder.finish("failed", error)
+            self._finish("failed", error)
             raise
         except Exception as error:
             failure = TrainingFailedError(
                 f"The driver could not go on: {type(error).__name__}: {error} "
                 f"(report #{self.recorder.next_report_index} was next)."
             )
-            self.recorder.finish("failed", failure)
+            self._finish("failed", failure)
             raise failure from error
+
+    def _finish(self, status: str, error: TrainingFailedError | None = None) -> None:
+        """Record how the run ended, and leave the progress line's last state on screen."""
+        if self.progress is not None:
+            self.progress.finish(status)
+        self.recorder.finish(status, error)
+        self._callback("on_run_end", status, error)
+
+    def _callback(self, hook: str, *args: Any) -> None:
+        if self.callbacks is not None:
+            self.callbacks.call(hook, *args)
+
+    def _workers_changed(self, attempt: Attempt) -> None:
+        if self.progress is not None:
+            self.progress.on_workers(len(attempt.connected - attempt.exited))
 
     def _resume_checkpoint(self) -> Checkpoint | None:
         return self.recorder.latest_checkpoint or self.start_checkpoint
@@ -178,6 +203,7 @@ class Controller:
 
     def _on_hello(self, hello: protocol.Hello, attempt: Attempt) -> None:
         attempt.connected.add(hello.rank)
+        self._workers_changed(attempt)
         if len(attempt.connected) == self.world_size:
             logger.debug("%d worker processes connected in %.2f s.", self.world_size, time.monotonic() - attempt.started_at)
 
@@ -238,6 +264,9 @@ class Controller:
         dir_name = dir_names[0] if dir_names else None
         report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name)
         logger.info("report #%d: %s", index, _short(report["metrics"]))
+        if self.progress is not None:
+            self.progress.on_report(index, report["metrics"])
+        self._callback("after_report", index, report["metrics"])
         if dir_name is None:
             return
         uploading = {
@@ -267,6 +296,9 @@ class Controller:
                 return
             self.recorder.commit_checkpoint(pending.dir_name, index, pending.metrics, pending.external_path)
             logger.info("checkpoint %s committed (report #%d).", pending.dir_name, index)
+            if self.progress is not None:
+                self.progress.on_checkpoint(pending.dir_name)
+            self._callback("on_checkpoint", index, self.recorder.latest_checkpoint)
             del attempt.uploads[index]
 
     def _on_finished(self, finished: protocol.Finished, attempt: Attempt) -> None:
@@ -296,6 +328,7 @@ class Controller:
         """A process ended; without a Finished or Failed message first, that is a failure, shown
         with the last lines the rank wrote to stderr."""
         attempt.exited.add(exited.rank)
+        self._workers_changed(attempt)
         failed_ranks = {failure.rank for failure in attempt.failures}
         if exited.rank not in attempt.finished and exited.rank not in failed_ranks:
             attempt.failures.append(WorkerFailure(

@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import IO, Literal
 
+from lockstep._internal.progress import around_output
+
 ConsoleMode = Literal["rank0", "all", "none"]
 CONSOLE_MODES: tuple[ConsoleMode, ...] = ("rank0", "all", "none")
 TAIL_LINES = 20
@@ -75,8 +77,9 @@ class OutputRelay:
         prefix = f"(rank {rank}) ".encode() if self.console == "all" else b""
         stream = (rank, is_stderr)
         text, self._at_line_start[stream] = _prefixed(chunk, prefix, self._at_line_start.get(stream, True))
-        console.buffer.write(text) if hasattr(console, "buffer") else console.write(text.decode(errors="replace"))
-        console.flush()
+        with around_output(ends_line=text.endswith(b"\n")):
+            console.buffer.write(text) if hasattr(console, "buffer") else console.write(text.decode(errors="replace"))
+            console.flush()
 
     def stderr_tail(self, rank: int) -> str:
         """The last lines ``rank`` wrote to stderr."""

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 #: How long the driver keeps reading a rank's channel after Ray says the rank ended.
 LAST_MESSAGES_WAIT_S = 10.0
-STACK_DUMP_WAIT_S = 2.0
+STACK_DUMP_WAIT_S = 5.0  # a method call on a busy actor, possibly on another node
 ACCELERATOR_SHARE = 0.001
 INSTALL_HINT = "pip install 'lockstep[ray]'"
 
@@ -382,7 +382,7 @@ class RayWorkerGroup(WorkerGroup):
         return self._output.tail_with_log_path(rank) if self._output is not None else ""
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Ask each rank's actor where its train function is (up to 2 s in all)."""
+        """Ask each rank's actor where its train function is (up to 5 s in all)."""
         import ray
 
         asked = {self._actors[rank].stack.remote(): rank for rank in ranks if rank < len(self._actors)}

@@ -1,0 +1,172 @@
+"""The driver's progress line: where the run is, on one line that updates in place on a terminal,
+or as a plain line now and then when the output is a file or a pipe.
+
+    lockstep mnist | report 12 | 0:01:23 | 2/2 workers | ckpt checkpoint_000011 | loss=0.3123 acc=0.8812
+
+Workers' console output and the line share the terminal: the line is wiped before their output
+is written and drawn again after it (see :func:`around_output`).
+
+The line goes to stderr; lockstep's log messages, when you turn them on, go wherever logging
+sends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+#: Without a terminal, a plain line at most this often (and at the end).
+PLAIN_INTERVAL_S = 30.0
+
+_active: ProgressLine | None = None
+_lock = threading.RLock()
+
+
+class ProgressLine:
+    """What the driver shows while a run goes on."""
+
+    def __init__(self, name: str, world_size: int, stream: IO[str] | None = None) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.stream = stream or sys.stderr
+        self.live = _is_terminal(self.stream)
+        self.started_at = time.monotonic()
+        self.report_index: int | None = None
+        self.metrics: dict[str, Any] = {}
+        self.workers_alive = 0
+        self.checkpoint: str | None = None
+        self.restarts = 0
+        self._drawn = False
+        self._last_plain = 0.0
+        self._mid_output_line = False
+
+    # -- what happened ---------------------------------------------------------------------------
+
+    def on_workers(self, alive: int) -> None:
+        """The number of live workers changed."""
+        self.workers_alive = alive
+        self._show()
+
+    def on_report(self, index: int, metrics: dict[str, Any]) -> None:
+        """Report ``index`` was recorded with rank 0's ``metrics``."""
+        self.report_index, self.metrics = index, metrics
+        self._show()
+
+    def on_checkpoint(self, dir_name: str) -> None:
+        """A checkpoint was committed."""
+        self.checkpoint = dir_name
+        self._show()
+
+    def on_restart(self) -> None:
+        """The workers are being restarted after a failure."""
+        self.restarts += 1
+        self.workers_alive = 0
+        self._show()
+
+    def finish(self, status: str) -> None:
+        """The run ended: leave the last state on its own line."""
+        with _lock:
+            if self.live and self._mid_output_line:
+                self.stream.write("\n")
+            self._write_line(f"{self.text()} | {status}", final=True)
+
+    # -- drawing ---------------------------------------------------------------------------------
+
+    def text(self) -> str:
+        """The line's text (without terminal control characters)."""
+        elapsed = int(time.monotonic() - self.started_at)
+        parts = [
+            f"lockstep {self.name}",
+            "no report yet" if self.report_index is None else f"report {self.report_index}",
+            f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
+            f"{self.workers_alive}/{self.world_size} workers",
+        ]
+        if self.restarts:
+            parts.append(f"{self.restarts} restart(s)")
+        if self.checkpoint:
+            parts.append(f"ckpt {self.checkpoint}")
+        if self.metrics:
+            parts.append(_metrics_text(self.metrics))
+        return " | ".join(parts)
+
+    def _show(self) -> None:
+        with _lock:
+            if self.live and self._mid_output_line:
+                return
+            if self.live:
+                self._write_line(self.text(), final=False)
+            elif time.monotonic() - self._last_plain >= PLAIN_INTERVAL_S and self.report_index is not None:
+                self._last_plain = time.monotonic()
+                self._write_line(self.text(), final=True)
+
+    def _write_line(self, text: str, final: bool) -> None:
+        if self.live:
+            width = shutil.get_terminal_size((120, 20)).columns - 1
+            if not final and len(text) > width:  # a line that wraps can't be redrawn in place
+                text = text[: width - 1] + "…"
+            self.stream.write(f"\r{text}\x1b[K" + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self._drawn = self.live and not final
+
+    def wipe(self) -> None:
+        """Take the line off the terminal (before other output is written)."""
+        if self._drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._drawn = False
+
+    def after_output(self, ends_line: bool) -> None:
+        """Other output was written: draw the line again, unless that output stopped mid-line
+        (then the line waits, so as not to overwrite it)."""
+        self._mid_output_line = not ends_line
+        if self.live and ends_line:
+            self._write_line(self.text(), final=False)
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    shown = [
+        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in metrics.items() if isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    ]
+    return " ".join(shown)
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def showing(line: ProgressLine | None) -> Iterator[ProgressLine | None]:
+    """Make ``line`` the active progress line while the run goes on."""
+    global _active
+    _active = line
+    try:
+        yield line
+    finally:
+        _active = None
+
+
+@contextlib.contextmanager
+def around_output(ends_line: bool = True) -> Iterator[None]:
+    """Wrap a write of workers' output to the console: wipe the line before, and draw it again
+    after, unless the output stopped mid-line (the next update draws it then)."""
+    with _lock:
+        line = _active
+        if line is not None:
+            line.wipe()
+        try:
+            yield
+        finally:
+            if line is not None:
+                line.after_output(ends_line)

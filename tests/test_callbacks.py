@@ -1,0 +1,129 @@
+"""Callbacks and the built-in loggers, on real runs; each logger's output is read back with its
+own tool (csv, json, TensorBoard's event reader, the MLflow client)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lockstep
+from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from lockstep.callbacks import Callback, CSVLogger, JSONLogger, MLflowLogger, RunInfo, TensorBoardLogger
+from lockstep.torch import TorchTrainer
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def on_run_start(self, run: RunInfo) -> None:
+        self.calls.append(("start", run.name, run.world_size))
+
+    def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
+        self.calls.append(("report", index, metrics["loss"]))
+
+    def on_checkpoint(self, run: RunInfo, index: int, checkpoint: Checkpoint) -> None:
+        self.calls.append(("checkpoint", index, Path(checkpoint.path).name))
+
+    def on_failure(self, run: RunInfo, error: Exception, restarting: bool) -> None:
+        self.calls.append(("failure", restarting, "on purpose" in str(error)))
+
+    def on_run_end(self, run: RunInfo, status: str, error: Exception | None) -> None:
+        self.calls.append(("end", status, error is None))
+
+
+def three_reports_one_failure() -> None:
+    """Reports 0 and 1 (checkpoint at 1), fails once before report 2, then finishes."""
+    start = lockstep.get_checkpoint()
+    first = 2 if start else 0
+    for step in range(first, 3):
+        if step == 1:
+            with tempfile.TemporaryDirectory() as folder:
+                lockstep.report({"step": step, "loss": 1.0 / (step + 1)}, checkpoint=Checkpoint.from_directory(folder))
+        else:
+            lockstep.report({"step": step, "loss": 1.0 / (step + 1), "note": "text"})
+        if step == 1 and start is None:
+            raise RuntimeError("failing on purpose")
+
+
+def fit_with(callbacks: list[Callback], storage_path: str, name: str = "cb", max_failures: int = 1) -> lockstep.Result:
+    return TorchTrainer(
+        three_reports_one_failure, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=name, storage_path=storage_path, callbacks=callbacks,
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    ).fit()
+
+
+def test_hooks_are_called_in_order_through_a_restart(storage_path: str) -> None:
+    recorder = Recorder()
+    fit_with([recorder], storage_path)
+    assert recorder.calls == [
+        ("start", "cb", 2), ("report", 0, 1.0), ("report", 1, 0.5), ("checkpoint", 1, "checkpoint_000001"),
+        ("failure", True, True), ("report", 2, 1 / 3), ("end", "finished", True),
+    ]
+
+
+class Broken(Callback):
+    def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
+        raise ValueError("a broken logger")
+
+
+def test_a_failing_callback_is_switched_off_and_training_goes_on(storage_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    recorder = Recorder()
+    with caplog.at_level(logging.ERROR, logger="lockstep"):
+        result = fit_with([Broken(), recorder], storage_path)
+    assert result.metrics["step"] == 2
+    assert [call[0] for call in recorder.calls].count("report") == 3
+    errors = [record.getMessage() for record in caplog.records if "Callback Broken failed" in record.getMessage()]
+    assert len(errors) == 1 and "ValueError: a broken logger" in errors[0]
+
+
+def test_csv_and_json_loggers_write_every_report(storage_path: str) -> None:
+    fit_with([CSVLogger(), JSONLogger()], storage_path)
+    logs = Path(storage_path, "cb", "logs")
+    with open(logs / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["report_index"] for row in rows] == ["0", "1", "2"]
+    assert [row["note"] for row in rows] == ["text", "", "text"]
+    lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+
+
+def test_tensorboard_logger_scalars_read_back(storage_path: str) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fit_with([TensorBoardLogger()], storage_path)
+    events = EventAccumulator(str(Path(storage_path, "cb", "logs", "tensorboard")))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss", "step"]
+    assert [(event.step, round(event.value, 4)) for event in events.Scalars("loss")] == [(0, 1.0), (1, 0.5), (2, 0.3333)]
+
+
+def test_mlflow_logger_run_reads_back(storage_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store, read-mostly
+    uri = (tmp_path / "mlruns").as_uri()
+    logger_callback = MLflowLogger(tracking_uri=uri, experiment_name="lockstep-test")
+    fit_with([logger_callback], storage_path)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(logger_callback.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "cb"
+    assert run.data.tags["lockstep.latest_checkpoint"].endswith("checkpoint_000001")
+    history = client.get_metric_history(logger_callback.run_id, "loss")
+    assert sorted((point.step, round(point.value, 4)) for point in history) == [(0, 1.0), (1, 0.5), (2, 0.3333)]
+
+
+def test_a_ray_tune_style_callback_is_refused() -> None:
+    class NotOurs:
+        def on_trial_result(self, *args: Any) -> None:
+            pass
+
+    with pytest.raises(ValueError, match=r"callbacks\[0\] is a .*NotOurs, not a lockstep.callbacks.Callback"):
+        RunConfig(callbacks=[NotOurs()])
