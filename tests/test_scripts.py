@@ -170,3 +170,49 @@ def _read_or_empty(fd: int) -> bytes:
         return os.read(fd, 4096)
     except OSError:  # the terminal's other end closed
         return b""
+
+
+def torchrun(*args: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+def rank_results(stdout: str) -> dict[int, dict]:
+    found = {}
+    for line in stdout.splitlines():
+        if line.startswith("RANK "):
+            _, rank, _, pid, _, summary = line.split(" ", 5)
+            found[int(rank)] = {"pid": int(pid), **json.loads(summary)}
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_the_train_function_runs_in_torchrun_processes(tmp_path: Path) -> None:
+    completed = torchrun("--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path))
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    ranks = rank_results(completed.stdout)
+    assert sorted(ranks) == [0, 1], "every rank's fit() must return"
+    assert ranks[0]["metrics"]["pids"] == [ranks[0]["pid"], ranks[1]["pid"]], "the train function ran in other processes"
+    assert ranks[0]["metrics"]["step"] == 1 and ranks[0]["metrics"]["sum"] == 2.0
+    assert ranks[0]["checkpoint"] == ["rank0.txt", "rank1.txt"] and ranks[0]["return_value"] == ranks[0]["pid"]
+    record = json.loads((tmp_path / "torchrun" / "lockstep_run.json").read_text())
+    assert record["status"] == "finished" and record["executor"] == "external"
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_a_wrong_num_workers_is_refused(tmp_path: Path) -> None:
+    completed = torchrun("--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "3")
+    assert completed.returncode != 0
+    assert "ScalingConfig(num_workers=3)" in completed.stderr and "num_workers must be 2" in completed.stderr
+
+
+@pytest.mark.timeout(200)
+def test_under_torchrun_a_restarted_group_continues_the_run(tmp_path: Path) -> None:
+    completed = torchrun("--max-restarts=1", str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "2", "fail-once",
+                         timeout=190)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "rank 1 fails once on purpose" in completed.stderr
+    ranks = rank_results(completed.stdout)
+    assert ranks[0]["metrics"]["step"] == 3
+    history = [json.loads(line)["metrics"]["step"] for line in (tmp_path / "torchrun" / "reports.jsonl").read_text().splitlines()]
+    assert history == [0, 1, 2, 3]

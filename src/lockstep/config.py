@@ -38,10 +38,12 @@ class ScalingConfig:
             coordinator is the process that calls ``fit()``, not an actor of its own.
         placement_strategy: One of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD (Ray executor).
         accelerator_type: Required accelerator type, e.g. ``"A100"`` (Ray executor).
-        executor: Where workers run (a lockstep addition): ``"auto"`` (the default) uses Ray
-            when ``ray.init()`` was called in this process or ``ray_address`` is set, else this
-            machine; ``"local"`` always this machine; ``"ray"`` always Ray (``ray.init()`` is
-            called when needed, which honours ``RAY_ADDRESS``).
+        executor: Where workers run (a lockstep addition): ``"auto"`` (the default) runs the
+            train function in this process when torchrun started it (as its rank), else uses
+            Ray when ``ray.init()`` was called in this process or ``ray_address`` is set, else
+            starts worker processes on this machine; ``"local"`` always starts them on this
+            machine; ``"ray"`` always uses Ray (``ray.init()`` is called when needed, which
+            honours ``RAY_ADDRESS``).
         ray_address: The Ray cluster to connect to, e.g. ``"auto"`` or ``"10.0.0.5:6379"``
             (a lockstep addition; implies ``executor="ray"``).
         placement_timeout_s: How long the Ray executor waits for the cluster to place the

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from lockstep._internal import progress
 from lockstep._internal.controller import Controller
-from lockstep._internal.executors import make_group_factory
+from lockstep._internal.executors import GroupFactory, external, make_group_factory
 from lockstep._internal.executors.ray import is_ray_dataset
 from lockstep._internal.payload import WorkerPayload, serialize_payload
 from lockstep._internal.run_record import RunRecorder
@@ -86,16 +86,30 @@ class DataParallelTrainer:
             ValueError, TypeError: the job can't start (bad input, unpicklable objects); raised
                 before any worker starts.
         """
-        scaling = self.scaling_config
+        launch = external.launched_externally() if self.scaling_config.executor == "auto" else None
+        if launch is not None:
+            return self._fit_in_launched_processes(launch)
         name = self.run_config.name or default_run_name(type(self).__name__)
+        storage = self._run_storage(name)
+        log_dir = storage.local_log_dir()
+        ray_datasets = {key: dataset for key, dataset in self.datasets.items() if is_ray_dataset(dataset)}
+        make_group = make_group_factory(
+            self.scaling_config, log_dir, self.run_config.worker_output, ray_datasets, self.dataset_config.should_split
+        )
+        return self._drive(storage, log_dir, make_group, self.run_config.failure_config.max_failures,
+                           lambda controller, payload: controller.run(payload))
+
+    def _run_storage(self, name: str) -> RunStorage:
         storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
-            storage = RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
-        log_dir = storage.local_log_dir()
-        ray_datasets = {name: dataset for name, dataset in self.datasets.items() if is_ray_dataset(dataset)}
-        make_group = make_group_factory(
-            scaling, log_dir, self.run_config.worker_output, ray_datasets, self.dataset_config.should_split
-        )
+            return RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
+
+    def _drive(
+        self, storage: RunStorage, log_dir: str, make_group: GroupFactory, max_failures: int,
+        run: Callable[[Controller, bytes], Result],
+    ) -> Result:
+        """Open the run record, build the payload and the controller, and ``run`` them."""
+        scaling, storage_path = self.scaling_config, self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
             check_storage_path(storage_path, storage)
             recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers, make_group.executor)
@@ -104,20 +118,40 @@ class DataParallelTrainer:
         first_payload = build_payload(recorder.next_report_index, recorder.latest_checkpoint or self.resume_from_checkpoint)
         with storage_errors(storage_path):
             recorder.open()
-        logger.info("Run %s: %d workers (%s executor), results in %s", name, scaling.num_workers, make_group.executor,
-                    storage.display_path)
-        progress_line = progress.ProgressLine(name, scaling.num_workers) if self.run_config.verbose != 0 else None
+        logger.info("Run %s: %d workers (%s executor), results in %s", storage.name, scaling.num_workers,
+                    make_group.executor, storage.display_path)
+        progress_line = progress.ProgressLine(storage.name, scaling.num_workers) if self.run_config.verbose != 0 else None
+        run_info = RunInfo(storage.name, storage.display_path, scaling.num_workers, log_dir)
         controller = Controller(
-            make_group, build_payload, recorder, scaling.num_workers,
-            self.run_config.failure_config.max_failures, self.resume_from_checkpoint,
+            make_group, build_payload, recorder, scaling.num_workers, max_failures, self.resume_from_checkpoint,
             self.run_config.failure_config.report_timeout_s, progress_line,
-            CallbackRunner(self.run_config.callbacks, RunInfo(name, storage.display_path, scaling.num_workers, log_dir)),
+            CallbackRunner(self.run_config.callbacks, run_info),
         )
         try:
             with progress.showing(progress_line):
-                return controller.run(first_payload)
+                return run(controller, first_payload)
         finally:
             storage.upload_logs(log_dir)
+
+    def _fit_in_launched_processes(self, launch: external.Launch) -> Result:
+        """Under torchrun: run the train function in this process as its rank; rank 0 also
+        drives the run (see :mod:`lockstep._internal.executors.external`)."""
+        external.check_world_size(launch, self.scaling_config.num_workers)
+        if any(is_ray_dataset(dataset) for dataset in self.datasets.values()):
+            raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
+        store = external.rendezvous_store(launch)
+        name = self.run_config.name or external.shared_run_name(launch, store, type(self).__name__)
+        storage = self._run_storage(name)
+        if launch.rank != 0:
+            external.run_rank_or_raise(launch, store, self.scaling_config.use_gpu)
+            external.await_end(launch, store)
+            return Result.from_path(storage.display_path, self.run_config.storage_filesystem)
+        group = external.ExternalGroup(launch.world_size)
+        make_group = GroupFactory("external", lambda: group)
+        log_dir = storage.local_log_dir()
+        return self._drive(storage, log_dir, make_group, 0,
+                           lambda controller, payload: external.drive_and_run_rank_0(launch, store, group, controller, payload,
+                                                                                   self.scaling_config.use_gpu))
 
     def _payload_builder(self, storage: RunStorage, recorder: RunRecorder) -> Callable[[int, Checkpoint | None], bytes]:
         def build(first_report_index: int, checkpoint: Checkpoint | None) -> bytes:

@@ -25,6 +25,10 @@ class WorkerConnections:
         """The environment variables a worker needs to connect back."""
         return self.listener.worker_env()
 
+    def connected_ranks(self) -> set[int]:
+        """The ranks whose channel is open."""
+        return set(self._by_rank)
+
     def waitables(self) -> list[Any]:
         """What ``multiprocessing.connection.wait`` should watch: the listener and every connection."""
         return [self.listener, *self._by_rank.values()]
