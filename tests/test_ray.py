@@ -306,6 +306,65 @@ def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster: 
     assert Path(result.checkpoint.path, "step").read_text() == "3"
 
 
+def grow_when_told(config: dict[str, Any]) -> None:
+    """Steps 0-4, a checkpoint each; with 1 worker, waits after step 1 for a node to be added."""
+    world = lockstep.get_context().get_world_size()
+    start = lockstep.get_checkpoint()
+    step = int(Path(start.path, "step").read_text()) + 1 if start else 0
+    nodes: list[Any] = [None] * world
+    import torch.distributed as dist
+
+    dist.all_gather_object(nodes, os.environ["LOCKSTEP_TEST_NODE"])
+    while step < 5:
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step").write_text(str(step))
+            lockstep.report({"step": step, "world": world, "nodes": nodes}, checkpoint=Checkpoint.from_directory(folder))
+        if world == 1 and step == 1:
+            Path(config["small"]).write_text("")
+            deadline = time.monotonic() + 120
+            while not Path(config["grow"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        step += 1
+
+
+@ray_test
+@pytest.mark.timeout(240)
+def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluster: Any, storage_path: str,
+                                                                          tmp_path: Path) -> None:
+    """Runs after the node-loss test: one 2-CPU worker node is left, so 1 worker of 2 CPUs fits."""
+    marks = {"small": str(tmp_path / "small"), "grow": str(tmp_path / "grow")}
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = TorchTrainer(
+                grow_when_told, train_loop_config=marks,
+                scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": NODE_CPUS}),
+                run_config=RunConfig(storage_path=storage_path),
+            ).fit()
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = error
+
+    driver = threading.Thread(target=fit)
+    driver.start()
+    deadline = time.monotonic() + 150
+    while not Path(marks["small"]).exists():
+        assert driver.is_alive() and time.monotonic() < deadline, f"the run never reached step 1: {outcome}"
+        time.sleep(0.05)
+    tag = os.environ.pop("LOCKSTEP_TEST_TAG")
+    try:
+        cluster.add_node(num_cpus=NODE_CPUS, env_vars={"LOCKSTEP_TEST_NODE": "2"})
+    finally:
+        os.environ["LOCKSTEP_TEST_TAG"] = tag
+    Path(marks["grow"]).write_text("")
+    driver.join(180)
+    result = outcome.get("result")
+    assert result is not None, outcome.get("error")
+    assert [(row["step"], row["world"]) for row in result.metrics_history] == [(0, 1), (1, 1), (2, 1), (3, 2), (4, 2)]
+    assert sorted(result.metrics["nodes"]) == ["0", "2"]
+    assert result.num_failures == 0
+
+
 # -- without a cluster --------------------------------------------------------------------------
 
 

@@ -30,7 +30,10 @@ class ScalingConfig:
     """How many workers to run and what each one gets.
 
     Args:
-        num_workers: Number of worker processes (the world size).
+        num_workers: Number of worker processes (the world size); or ``(min, max)`` for an
+            elastic run, which starts with as many workers as the resources allow (at most
+            ``max``, at least ``min``), goes on with fewer (from the latest checkpoint) when
+            workers are lost, and grows back, at a checkpoint, when resources return.
         use_gpu: Give each worker one GPU (unless ``resources_per_worker`` says otherwise).
         resources_per_worker: Resources per worker, e.g. ``{"CPU": 2, "GPU": 1}``. Keys are
             case-sensitive. ``CPU`` also sets each worker's torch intra-op thread count.
@@ -51,7 +54,7 @@ class ScalingConfig:
             nodes can never hold fails at once.
     """
 
-    num_workers: int = 1
+    num_workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
     trainer_resources: dict[str, float] | None = None
@@ -98,6 +101,21 @@ class ScalingConfig:
         return self.executor == "ray" or self.ray_address is not None
 
     @property
+    def min_workers(self) -> int:
+        """The fewest workers the run may go on with (``num_workers`` unless it is elastic)."""
+        return int(self.num_workers[0]) if isinstance(self.num_workers, (tuple, list)) else int(self.num_workers)
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the run uses (``num_workers`` unless it is elastic)."""
+        return int(self.num_workers[1]) if isinstance(self.num_workers, (tuple, list)) else int(self.num_workers)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of workers follows the resources, between min and max."""
+        return self.min_workers != self.max_workers
+
+    @property
     def worker_resources(self) -> dict[str, float]:
         """Resources of one worker, with the defaults filled in (1 CPU, plus 1 GPU with use_gpu)."""
         resources: dict[str, float] = {"CPU": 1.0}
@@ -118,13 +136,21 @@ class ScalingConfig:
 
 
 def _check_num_workers(num_workers: Any) -> None:
-    if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral):
+    if isinstance(num_workers, (tuple, list)):
+        if len(num_workers) != 2 or not all(_is_positive_int(count) for count in num_workers) or num_workers[0] > num_workers[1]:
+            raise ValueError(
+                f"ScalingConfig.num_workers=(min, max) needs two ints with 1 <= min <= max, got {num_workers!r}."
+            )
+        return
+    if not _is_positive_int(num_workers):
         raise ValueError(
-            f"ScalingConfig.num_workers must be a positive int, got {num_workers!r} "
+            f"ScalingConfig.num_workers must be an int >= 1 or a (min, max) pair, got {num_workers!r} "
             f"({type(num_workers).__name__})."
         )
-    if num_workers < 1:
-        raise ValueError(f"ScalingConfig.num_workers must be >= 1, got {num_workers}.")
+
+
+def _is_positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
 
 
 def _check_resources(field_name: str, resources: dict[str, float] | None) -> None:

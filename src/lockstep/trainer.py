@@ -73,7 +73,7 @@ class DataParallelTrainer:
         self.dataset_config = dataset_config or DataConfig()
         self.metadata = dict(metadata or {})
         self.resume_from_checkpoint = resume_from_checkpoint
-        _check_datasets(self.datasets, self.dataset_config, self.scaling_config.num_workers)
+        _check_datasets(self.datasets, self.dataset_config, self.scaling_config.max_workers)
 
     def fit(self) -> Result:
         """Run the train function on every worker and wait for the run to end.
@@ -112,18 +112,18 @@ class DataParallelTrainer:
         scaling, storage_path = self.scaling_config, self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
             check_storage_path(storage_path, storage)
-            recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.num_workers, make_group.executor)
+            recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.max_workers, make_group.executor)
             recorder.check_resumable()
         build_payload = self._payload_builder(storage, recorder)
         first_payload = build_payload(recorder.next_report_index, recorder.latest_checkpoint or self.resume_from_checkpoint)
         with storage_errors(storage_path):
             recorder.open()
-        logger.info("Run %s: %d workers (%s executor), results in %s", storage.name, scaling.num_workers,
+        logger.info("Run %s: %s workers (%s executor), results in %s", storage.name, scaling.num_workers,
                     make_group.executor, storage.display_path)
-        progress_line = progress.ProgressLine(storage.name, scaling.num_workers) if self.run_config.verbose != 0 else None
-        run_info = RunInfo(storage.name, storage.display_path, scaling.num_workers, log_dir)
+        progress_line = progress.ProgressLine(storage.name, scaling.max_workers) if self.run_config.verbose != 0 else None
+        run_info = RunInfo(storage.name, storage.display_path, scaling.max_workers, log_dir)
         controller = Controller(
-            make_group, build_payload, recorder, scaling.num_workers, max_failures, self.resume_from_checkpoint,
+            make_group, build_payload, recorder, max_failures, self.resume_from_checkpoint,
             self.run_config.failure_config.report_timeout_s, progress_line,
             CallbackRunner(self.run_config.callbacks, run_info),
         )
@@ -136,7 +136,7 @@ class DataParallelTrainer:
     def _fit_in_launched_processes(self, launch: external.Launch) -> Result:
         """Under torchrun: run the train function in this process as its rank; rank 0 also
         drives the run (see :mod:`lockstep._internal.executors.external`)."""
-        external.check_world_size(launch, self.scaling_config.num_workers)
+        external.check_world_size(launch, self.scaling_config)
         if any(is_ray_dataset(dataset) for dataset in self.datasets.values()):
             raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
         store = external.rendezvous_store(launch)
@@ -147,7 +147,7 @@ class DataParallelTrainer:
             external.await_end(launch, store)
             return Result.from_path(storage.display_path, self.run_config.storage_filesystem)
         group = external.ExternalGroup(launch.world_size)
-        make_group = GroupFactory("external", lambda: group)
+        make_group = GroupFactory("external", lambda size: group, launch.world_size, launch.world_size)
         log_dir = storage.local_log_dir()
         return self._drive(storage, log_dir, make_group, 0,
                            lambda controller, payload: external.drive_and_run_rank_0(launch, store, group, controller, payload,

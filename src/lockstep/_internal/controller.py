@@ -17,6 +17,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from lockstep._internal import protocol
+from lockstep._internal.executors import GroupFactory
 from lockstep._internal.executors.base import WorkerExited, WorkerGroup
 from lockstep._internal.progress import ProgressLine
 from lockstep.callbacks import CallbackRunner
@@ -49,6 +50,7 @@ class Attempt:
     stacks: dict[int, str] = field(default_factory=dict)
     latest_sent: Checkpoint | None = None
     return_value: Any = None
+    grow: bool = False
 
     @property
     def succeeded(self) -> bool:
@@ -56,7 +58,7 @@ class Attempt:
 
     @property
     def over(self) -> bool:
-        return bool(self.failures) or self.succeeded
+        return bool(self.failures) or self.succeeded or self.grow
 
 
 @dataclass
@@ -74,10 +76,9 @@ class Controller:
 
     def __init__(
         self,
-        make_group: Callable[[], WorkerGroup],
+        make_group: GroupFactory,
         build_payload: PayloadBuilder,
         recorder: RunRecorder,
-        world_size: int,
         max_failures: int,
         start_checkpoint: Checkpoint | None = None,
         report_timeout_s: float | None = None,
@@ -87,7 +88,6 @@ class Controller:
         self.make_group = make_group
         self.build_payload = build_payload
         self.recorder = recorder
-        self.world_size = world_size
         self.max_failures = max_failures
         self.start_checkpoint = start_checkpoint
         self.report_timeout_s = report_timeout_s
@@ -106,6 +106,11 @@ class Controller:
                     assert not attempt.uploads, f"uploads still pending after every rank finished: {attempt.uploads}"
                     self._finish("finished")
                     return self.recorder.result(attempt.return_value)
+                if attempt.grow and not attempt.failures:
+                    logger.warning("More workers fit now: restarting the %d workers as more, from %s.",
+                                   attempt.world_size, self.recorder.latest_checkpoint)
+                    payload = self.build_payload(self.recorder.next_report_index, self._resume_checkpoint())
+                    continue
                 error = TrainingFailedError.from_failures(attempt.failures, self._failure_context(), attempt.stacks)
                 self.failure_history.append(error)
                 self.recorder.count_failure()
@@ -168,8 +173,12 @@ class Controller:
     # -- one attempt --------------------------------------------------------------------------
 
     def _run_attempt(self, payload: bytes) -> Attempt:
-        attempt = Attempt(self.world_size, latest_sent=self._resume_checkpoint())
-        group = self.make_group()
+        size = self.make_group.size_now()
+        self.recorder.set_world_size(size)
+        if self.progress is not None:
+            self.progress.world_size = size
+        attempt = Attempt(size, latest_sent=self._resume_checkpoint())
+        group = self.make_group(size)
         try:
             group.start(payload)
             while not attempt.over:
@@ -181,7 +190,7 @@ class Controller:
                 attempt.stacks = group.dump_stacks(self._ranks_still_running(attempt))
         finally:
             group.stop()
-        if attempt.failures:
+        if not attempt.succeeded:
             self.recorder.discard_uncommitted(attempt.written_dir_names)
         return attempt
 
@@ -204,8 +213,8 @@ class Controller:
     def _on_hello(self, hello: protocol.Hello, attempt: Attempt) -> None:
         attempt.connected.add(hello.rank)
         self._workers_changed(attempt)
-        if len(attempt.connected) == self.world_size:
-            logger.debug("%d worker processes connected in %.2f s.", self.world_size, time.monotonic() - attempt.started_at)
+        if len(attempt.connected) == attempt.world_size:
+            logger.debug("%d workers connected in %.2f s.", attempt.world_size, time.monotonic() - attempt.started_at)
 
     def _time_to_report_deadline(self, attempt: Attempt) -> float | None:
         if self.report_timeout_s is None or not attempt.report_waiting_since:
@@ -226,20 +235,20 @@ class Controller:
                 WorkerFailure(rank, "ReportTimeout",
                               f"did not call report #{index} within {self.report_timeout_s:g} s while rank(s) "
                               f"{waiting} waited in it (FailureConfig.report_timeout_s).")
-                for rank in range(self.world_size) if rank not in calls
+                for rank in range(attempt.world_size) if rank not in calls
             ]
             return
 
     def _ranks_still_running(self, attempt: Attempt) -> list[int]:
         failed = {failure.rank for failure in attempt.failures if failure.error_type != "ReportTimeout"}
-        return [rank for rank in range(self.world_size) if rank not in attempt.exited and rank not in failed]
+        return [rank for rank in range(attempt.world_size) if rank not in attempt.exited and rank not in failed]
 
     def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
         attempt.reports_made[report.rank] = report.index + 1
         calls = attempt.pending_reports.setdefault(report.index, {})
         attempt.report_waiting_since.setdefault(report.index, time.monotonic())
         calls[report.rank] = report
-        if len(calls) < self.world_size:
+        if len(calls) < attempt.world_size:
             self._check_no_rank_left(attempt)
             return
         del attempt.pending_reports[report.index]
@@ -249,7 +258,7 @@ class Controller:
         changed = latest if latest != attempt.latest_sent else None
         attempt.latest_sent = latest
         done = protocol.ReportDone(report.index, changed)
-        for rank in range(self.world_size):
+        for rank in range(attempt.world_size):
             group.send(rank, done)
 
     def _record(self, index: int, calls: dict[int, protocol.Report], attempt: Attempt) -> None:
@@ -299,6 +308,7 @@ class Controller:
             if self.progress is not None:
                 self.progress.on_checkpoint(pending.dir_name)
             self._callback("on_checkpoint", index, self.recorder.latest_checkpoint)
+            attempt.grow = attempt.grow or self.make_group.can_grow(attempt.world_size)
             del attempt.uploads[index]
 
     def _on_finished(self, finished: protocol.Finished, attempt: Attempt) -> None:

@@ -75,6 +75,11 @@ class RunRecorder:
         if removed:
             logger.info("Removed unfinished checkpoint folders of an earlier attempt: %s", ", ".join(removed))
 
+    def set_world_size(self, world_size: int) -> None:
+        """The number of workers of the coming attempt (it can change in an elastic run)."""
+        self.world_size = world_size
+        self.record["world_size"] = world_size
+
     def discard_uncommitted(self, dir_names: set[str]) -> None:
         """Delete the folders of checkpoints a failed attempt began but never committed, so a
         restart doesn't mix its files with theirs."""

@@ -6,11 +6,12 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from lockstep._internal.executors.base import GroupSpec, WorkerGroup
 from lockstep.config import ScalingConfig
+from lockstep.errors import TrainingFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -19,13 +20,47 @@ LOCAL_RESOURCE_KEYS = ("CPU", "GPU", "memory")
 
 @dataclass(frozen=True)
 class GroupFactory:
-    """Starts one worker group per call, with the executor named ``executor``."""
+    """Starts one worker group per attempt with the executor named ``executor``: of
+    ``max_workers`` workers, or for an elastic run as many as ``capacity()`` (how many workers
+    the resources hold now) allows, at least ``min_workers``."""
 
     executor: str
-    start_group: Callable[[], WorkerGroup]
+    start_group: Callable[[int], WorkerGroup]
+    min_workers: int
+    max_workers: int
+    capacity: Callable[[], int] | None = None
 
-    def __call__(self) -> WorkerGroup:
-        return self.start_group()
+    @property
+    def elastic(self) -> bool:
+        """Whether the group's size follows the resources."""
+        return self.min_workers != self.max_workers and self.capacity is not None
+
+    def size_now(self) -> int:
+        """The size of the next group.
+
+        Raises:
+            TrainingFailedError: an elastic run's resources hold fewer than ``min_workers``.
+        """
+        if not self.elastic:
+            return self.max_workers
+        fits = min(self.max_workers, self._capacity())
+        if fits < self.min_workers:
+            raise TrainingFailedError(
+                f"The resources hold {fits} worker(s) now, fewer than the {self.min_workers} that "
+                f"ScalingConfig(num_workers=({self.min_workers}, {self.max_workers})) needs at least."
+            )
+        return fits
+
+    def can_grow(self, current: int) -> bool:
+        """Whether an elastic run of ``current`` workers could have more now."""
+        return self.elastic and current < self.max_workers and min(self.max_workers, self._capacity()) > current
+
+    def _capacity(self) -> int:
+        assert self.capacity is not None
+        return self.capacity()
+
+    def __call__(self, size: int) -> WorkerGroup:
+        return self.start_group(size)
 
 
 def make_group_factory(
@@ -43,7 +78,7 @@ def make_group_factory(
             raised before anything starts.
     """
     spec = GroupSpec(
-        num_workers=scaling.num_workers,
+        num_workers=scaling.min_workers,
         cpus_per_worker=scaling.num_cpus_per_worker,
         gpus_per_worker=scaling.num_gpus_per_worker,
         use_gpu=scaling.use_gpu,
@@ -58,8 +93,11 @@ def make_group_factory(
         from lockstep._internal.executors import ray as ray_executor
 
         ray_executor.check_request(spec)
-        logger.info("Running %d workers on the Ray cluster.", spec.num_workers)
-        return GroupFactory("ray", lambda: ray_executor.RayWorkerGroup(spec, ray_datasets, should_split))
+        logger.info("Running %s workers on the Ray cluster.", scaling.num_workers)
+        return GroupFactory(
+            "ray", lambda size: ray_executor.RayWorkerGroup(replace(spec, num_workers=size), ray_datasets, should_split),
+            scaling.min_workers, scaling.max_workers, lambda: ray_executor.cluster_capacity(spec),
+        )
     if ray_datasets:
         raise ValueError(
             f"datasets {sorted(ray_datasets)} are Ray Datasets, which need the Ray executor: call ray.init() "
@@ -67,8 +105,22 @@ def make_group_factory(
         )
     from lockstep._internal.executors.local import LocalWorkerGroup
 
-    check_local_resources(spec)
-    return GroupFactory("local", lambda: LocalWorkerGroup(spec))
+    check_local_resources(spec if scaling.elastic else replace(spec, num_workers=scaling.max_workers))
+    return GroupFactory(
+        "local", lambda size: LocalWorkerGroup(replace(spec, num_workers=size)),
+        scaling.min_workers, scaling.max_workers, lambda: local_capacity(spec),
+    )
+
+
+def local_capacity(spec: GroupSpec) -> int:
+    """How many workers of ``spec`` this machine holds: the CPUs this process may run on (its
+    affinity, as ``taskset`` sets it) and, with GPUs, the usable GPUs."""
+    fits = int(len(os.sched_getaffinity(0)) // spec.cpus_per_worker) if spec.cpus_per_worker > 0 else 1_000_000
+    if spec.use_gpu and spec.gpus_per_worker > 0:
+        from lockstep._internal.devices import usable_gpu_ids
+
+        fits = min(fits, int(len(usable_gpu_ids()) // spec.gpus_per_worker))
+    return fits
 
 
 def uses_ray(scaling: ScalingConfig) -> bool:

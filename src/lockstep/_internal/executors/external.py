@@ -56,18 +56,18 @@ def launched_externally() -> Launch | None:
     )
 
 
-def check_world_size(launch: Launch, num_workers: int) -> None:
-    """The group the launcher started must be the group the ScalingConfig asks for.
+def check_world_size(launch: Launch, scaling: Any) -> None:
+    """The group the launcher started must be one the ScalingConfig allows.
 
     Raises:
-        ValueError: they differ.
+        ValueError: it is not.
     """
-    if num_workers != launch.world_size:
+    if not scaling.min_workers <= launch.world_size <= scaling.max_workers:
         raise ValueError(
             f"This process was started by torchrun (or alike) as rank {launch.rank} of {launch.world_size}, but "
-            f"ScalingConfig(num_workers={num_workers}): under torchrun, lockstep runs the train function in the "
-            f"processes torchrun started, so num_workers must be {launch.world_size} (or start torchrun with "
-            f"--nproc_per_node / --nnodes giving {num_workers} processes)."
+            f"ScalingConfig(num_workers={scaling.num_workers}): under torchrun, lockstep runs the train function in "
+            f"the processes torchrun started, so num_workers must be {launch.world_size} (or start torchrun with "
+            f"--nproc_per_node / --nnodes giving {scaling.num_workers} processes)."
         )
 
 

@@ -95,6 +95,21 @@ def workers_fitting(node: Mapping[str, float], bundle: Mapping[str, float]) -> i
     return min(counts) if counts else 1_000_000
 
 
+def placement_capacity(bundle: Mapping[str, float], strategy: str, nodes: list[Mapping[str, float]]) -> int:
+    """How many bundles ``nodes`` (each node's total resources) can hold with ``strategy``."""
+    fits = [workers_fitting(node, bundle) for node in nodes]
+    if strategy == "STRICT_PACK":
+        return max(fits, default=0)
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for fit in fits if fit >= 1)
+    return sum(fits)
+
+
+def cluster_capacity(spec: GroupSpec) -> int:
+    """How many workers of ``spec`` the cluster's alive nodes hold (an elastic run's size)."""
+    return placement_capacity(worker_bundle(spec), spec.placement_strategy, list(alive_nodes().values()))
+
+
 def placement_problem(bundle: Mapping[str, float], count: int, strategy: str, nodes: list[Mapping[str, float]]) -> str | None:
     """Why ``count`` bundles can never be placed with ``strategy`` on ``nodes`` (each node's
     total resources), or None when they can."""
