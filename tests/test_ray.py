@@ -255,6 +255,29 @@ def test_seed_003_script_with_ray_init_trains_on_the_cluster(cluster: Any, tmp_p
     assert record["executor"] == "ray" and record["status"] == "finished"
 
 
+def fit_in_background(trainer: TorchTrainer) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``trainer.fit()`` on a thread; its result or error lands in the returned dict."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = error
+
+    driver = threading.Thread(target=fit)
+    driver.start()
+    return driver, outcome
+
+
+def wait_while_running(path: Path, driver: threading.Thread, outcome: dict[str, Any], timeout_s: float = 150) -> None:
+    """Wait until the train function writes ``path``, failing if the run ends or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert driver.is_alive() and time.monotonic() < deadline, f"the run never wrote {path.name}: {outcome}"
+        time.sleep(0.05)
+
+
 def train_until_a_node_is_lost(config: dict[str, Any]) -> None:
     """Report a checkpoint per step; in the first attempt, stop after step 1 and wait (to be
     killed with the node)."""
@@ -276,24 +299,12 @@ def train_until_a_node_is_lost(config: dict[str, Any]) -> None:
 def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster: Any, storage_path: str, tmp_path: Path) -> None:
     """Runs last: it removes worker node 1 from the module's cluster."""
     reached = tmp_path / "reached"
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = TorchTrainer(
-                train_until_a_node_is_lost, train_loop_config={"reached": str(reached)},
-                scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
-                run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
-            ).fit()
-        except BaseException as error:  # noqa: BLE001 - handed to the test thread
-            outcome["error"] = error
-
-    driver = threading.Thread(target=fit)
-    driver.start()
-    deadline = time.monotonic() + 150
-    while not reached.exists():
-        assert driver.is_alive() and time.monotonic() < deadline, f"the run never reached step 1: {outcome}"
-        time.sleep(0.05)
+    driver, outcome = fit_in_background(TorchTrainer(
+        train_until_a_node_is_lost, train_loop_config={"reached": str(reached)},
+        scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+        run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
+    ))
+    wait_while_running(reached, driver, outcome)
     cluster.remove_node(cluster.worker_nodes_list[1], allow_graceful=False)
     driver.join(180)
     assert not driver.is_alive()
@@ -333,24 +344,12 @@ def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluste
                                                                           tmp_path: Path) -> None:
     """Runs after the node-loss test: one 2-CPU worker node is left, so 1 worker of 2 CPUs fits."""
     marks = {"small": str(tmp_path / "small"), "grow": str(tmp_path / "grow")}
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = TorchTrainer(
-                grow_when_told, train_loop_config=marks,
-                scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": NODE_CPUS}),
-                run_config=RunConfig(storage_path=storage_path),
-            ).fit()
-        except BaseException as error:  # noqa: BLE001 - handed to the test thread
-            outcome["error"] = error
-
-    driver = threading.Thread(target=fit)
-    driver.start()
-    deadline = time.monotonic() + 150
-    while not Path(marks["small"]).exists():
-        assert driver.is_alive() and time.monotonic() < deadline, f"the run never reached step 1: {outcome}"
-        time.sleep(0.05)
+    driver, outcome = fit_in_background(TorchTrainer(
+        grow_when_told, train_loop_config=marks,
+        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": NODE_CPUS}),
+        run_config=RunConfig(storage_path=storage_path),
+    ))
+    wait_while_running(Path(marks["small"]), driver, outcome)
     tag = os.environ.pop("LOCKSTEP_TEST_TAG")
     try:
         cluster.add_node(num_cpus=NODE_CPUS, env_vars={"LOCKSTEP_TEST_NODE": "2"})

@@ -20,8 +20,8 @@ from lockstep._internal import protocol
 from lockstep._internal.executors import GroupFactory
 from lockstep._internal.executors.base import WorkerExited, WorkerGroup
 from lockstep._internal.progress import ProgressLine
-from lockstep.callbacks import CallbackRunner
 from lockstep._internal.run_record import RunRecorder
+from lockstep.callbacks import CallbackRunner
 from lockstep.checkpoint import Checkpoint
 from lockstep.errors import TrainingFailedError, WorkerFailure
 from lockstep.result import Result
@@ -107,7 +107,7 @@ class Controller:
                     self._finish("finished")
                     return self.recorder.result(attempt.return_value)
                 if attempt.grow and not attempt.failures:
-                    logger.warning("More workers fit now: restarting the %d workers as more, from %s.",
+                    logger.warning("More than %d workers fit now: restarting with more, from %s.",
                                    attempt.world_size, self.recorder.latest_checkpoint)
                     payload = self.build_payload(self.recorder.next_report_index, self._resume_checkpoint())
                     continue

@@ -20,6 +20,20 @@ BACKENDS = ("gloo", "nccl", "mpi", "xccl", "ucc")
 INIT_METHODS = ("env", "tcp")
 
 
+ENV_STORE_PREFIX = "LOCKSTEP_STORE_PREFIX"
+
+
+def _prefixed_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """With LOCKSTEP_STORE_PREFIX set (under torchrun, whose store outlives a restart of the
+    group), the rendezvous store at MASTER_ADDR:MASTER_PORT seen under that prefix, so that a
+    restarted group never reads the addresses its predecessor left there."""
+    prefix = os.environ.get(ENV_STORE_PREFIX)
+    if not prefix:
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(prefix, client)
+
+
 @dataclass
 class TorchConfig(BackendConfig):
     """Settings of the torch.distributed process group.
@@ -55,17 +69,16 @@ class TorchConfig(BackendConfig):
             from lockstep.torch.train_loop_utils import get_device
 
             torch.cuda.set_device(get_device())
-        if self.init_method == "env":
-            init_method = "env://"
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = _prefixed_store(timeout) if self.init_method == "env" else None
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=context.world_rank,
+                                    world_size=context.world_size, timeout=timeout)
         else:
-            init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=context.world_rank,
-            world_size=context.world_size,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
+            init_method = "env://" if self.init_method == "env" else (
+                f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+            dist.init_process_group(backend=backend, init_method=init_method, rank=context.world_rank,
+                                    world_size=context.world_size, timeout=timeout)
         logger.debug("rank %d joined the %s process group", context.world_rank, backend)
 
     def on_worker_shutdown(self) -> None:

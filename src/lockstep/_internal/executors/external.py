@@ -134,7 +134,7 @@ def run_rank_here(launch: Launch, store: Any, use_gpu: bool) -> tuple[Any, int]:
     if use_gpu:
         os.environ[ENV_GPU_IDS] = str(launch.local_rank)
     env = {protocol.ENV_DRIVER_ADDRESS: address, protocol.ENV_AUTHKEY: authkey}
-    os.environ.update(NODE_RANK=os.environ.get("GROUP_RANK", "0"))
+    os.environ.update(NODE_RANK=os.environ.get("GROUP_RANK", "0"), LOCKSTEP_STORE_PREFIX=store_key(launch, "pg"))
     channel = protocol.connect_to_driver(env)
     channel.send(protocol.Hello(launch.rank, os.getpid()))
     outcome, exit_code = run_to_outcome(launch.rank, channel, lambda: payload)
