@@ -77,9 +77,9 @@ def run_summary(run: RunStorage, all_rows: bool = False) -> str:
         f"run:          {record.get('name', run.name)}",
         f"path:         {run.display_path}",
         f"status:       {record.get('status', '?')}",
-        f"created:      {record.get('created_at', '?')}   finished: {record.get('finished_at', '-')}",
+        f"created:      {record.get('created_at', '?')}   last update: {record.get('updated_at', '-')}",
         f"workers:      {record.get('world_size', '?')} ({record.get('executor', 'local')} executor)",
-        f"reports:      {len(result.metrics_history)}   restarts after failures: {result.num_failures}",
+        f"reports:      {len(result.metrics_history)}   failures: {result.num_failures}",
         f"checkpoints:  {len(result.best_checkpoints)} kept; latest: {result.checkpoint.path if result.checkpoint else '-'}",
         "",
     ]
@@ -119,6 +119,7 @@ def plot_run(run: RunStorage, metrics: Sequence[str] | None, output: str) -> lis
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     history = Result.from_path(run.display_path).metrics_history
     available = numeric_metrics(history)
@@ -133,6 +134,7 @@ def plot_run(run: RunStorage, metrics: Sequence[str] | None, output: str) -> lis
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("report")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     figure.suptitle(run.name)
     figure.tight_layout()
     figure.savefig(output, dpi=110)
