@@ -26,6 +26,7 @@ bench: install
 	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --json benchmarks/results_jobs.json
 	$(PY) benchmarks/checkpoint_bench.py --json benchmarks/results_checkpoint.json
 	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --json benchmarks/results_ray.json
+	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --json benchmarks/results_step.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep import RunConfig, ScalingConfig, TrainingFailedError
+from lockstep import RunConfig, TrainingFailedError
 from lockstep.torch import TorchTrainer
 
 
