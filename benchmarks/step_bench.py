@@ -11,7 +11,9 @@ steps (forward, loss, backward, SGD step) after 20 untimed ones:
 * **prepared**: ``prepare_model(model)`` and ``prepare_data_loader(DataLoader(..., shuffle=True))``;
 * **hand-written**: ``DistributedDataParallel(model)`` and ``DataLoader(..., sampler=DistributedSampler(...))``.
 
-Rank 0's steps/s per round; medians over rounds; goal: prepared >= 0.99 x hand-written.
+Rank 0's steps/s per round; medians over rounds. The goal (prepared >= 0.99 x hand-written) is
+judged on the median of the per-round ratios: the two set-ups of a round run back to back, so
+drifts of the machine's load cancel in their ratio.
 
 How to run
 ----------
@@ -117,15 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     rates = result.return_value
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ratio = medians["prepared"] / medians["hand_written"]
+    paired = statistics.median(a / b for a, b in zip(rates["prepared"], rates["hand_written"]))
     print(f"Machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; {info['date']}")
     print(f"Command: `{' '.join([sys.executable, *sys.argv])}`")
     print(f"2 workers, gloo, rank 0; {args.rounds} rounds x {args.steps} steps per set-up, alternated; medians\n")
     print("| set-up | steps/s median | min | max |\n|---|---:|---:|---:|")
     for name, values in rates.items():
         print(f"| {name.replace('_', '-')} | {medians[name]:.1f} | {min(values):.1f} | {max(values):.1f} |")
-    print(f"| prepared / hand-written (goal >= {GOAL}) | {ratio:.3f} | | {'PASS' if ratio >= GOAL else 'MISS'} |")
+    print(f"| prepared / hand-written, ratio of medians | {ratio:.3f} | | |")
+    print(f"| prepared / hand-written, median of per-round ratios (goal >= {GOAL}) | {paired:.3f} | | "
+          f"{'PASS' if paired >= GOAL else 'MISS'} |")
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": info, "rates": rates, "medians": medians, "ratio": ratio,
+                                         "paired_ratio": paired,
                                          "goal": GOAL, "config": vars(args) | {"json": str(args.json)}}, indent=1))
 
 
