@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from lockstep._internal.storage import RECORD_FILE, RunStorage, join, resolve_filesystem
+from lockstep._internal.metrics_text import metrics_text
+from lockstep.callbacks import numeric_metrics
 from lockstep.config import DEFAULT_STORAGE_PATH
-from lockstep.result import Result
+from lockstep.result import history_row, result_from_record
 
 SHOWN_ROWS = 20
 
@@ -23,21 +25,27 @@ SHOWN_ROWS = 20
 # -- finding runs -------------------------------------------------------------------------------
 
 
-def find_runs(storage_path: str) -> list[RunStorage]:
+#: A run folder and its record, read once.
+StoredRun = tuple[RunStorage, dict[str, Any]]
+
+
+def find_runs(storage_path: str) -> list[StoredRun]:
     """The runs directly under ``storage_path`` (folders holding a run record), oldest first."""
     filesystem, root = resolve_filesystem(storage_path)
     if not filesystem.isdir(root):
         raise FileNotFoundError(f"{storage_path!r} is not a folder; pass the storage_path your runs used.")
     folders = [entry["name"] for entry in filesystem.ls(root, detail=True) if entry.get("type") == "directory"]
     runs = [RunStorage(folder, filesystem) for folder in folders if filesystem.exists(join(folder, RECORD_FILE))]
-    return sorted(runs, key=lambda run: (run.read_record() or {}).get("created_at", ""))
+    found = [(run, run.read_record() or {}) for run in runs]
+    return sorted(found, key=lambda stored: stored[1].get("created_at", ""))
 
 
-def open_run(run: str, storage_path: str) -> RunStorage:
+def open_run(run: str, storage_path: str) -> StoredRun:
     """A run given as its folder (path or URI), or as a name under ``storage_path``."""
     for storage in (RunStorage(run), RunStorage.for_run(storage_path, run)):
-        if storage.read_record() is not None:
-            return storage
+        record = storage.read_record()
+        if record is not None:
+            return storage, record
     raise FileNotFoundError(
         f"no lockstep run at {run!r} nor named {run!r} in {storage_path!r}; `lockstep runs {storage_path}` lists them."
     )
@@ -46,33 +54,25 @@ def open_run(run: str, storage_path: str) -> RunStorage:
 # -- text ---------------------------------------------------------------------------------------
 
 
-def short_metrics(metrics: dict[str, Any] | None, limit: int = 60) -> str:
-    """Metrics on one line, numbers to 4 significant digits, cut to ``limit`` characters."""
-    if not metrics:
-        return "-"
-    text = ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in metrics.items())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def runs_table(runs: list[RunStorage]) -> str:
+def runs_table(runs: list[StoredRun]) -> str:
     """One line per run: name, status, reports, last metrics, checkpoints, path."""
     rows = [("NAME", "STATUS", "REPORTS", "LAST METRICS", "CHECKPOINTS", "PATH")]
-    for run in runs:
-        record = run.read_record() or {}
+    for run, record in runs:
         reports = run.read_reports()
+        last_metrics = reports[-1]["metrics"] if reports else None
         rows.append((
             record.get("name", run.name), record.get("status", "?"), str(len(reports)),
-            short_metrics(reports[-1]["metrics"] if reports else None), str(len(record.get("checkpoints", []))),
+            metrics_text(last_metrics, limit=60) if last_metrics else "-", str(len(record.get("checkpoints", []))),
             run.display_path,
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-def run_summary(run: RunStorage, all_rows: bool = False) -> str:
+def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
     """What ``lockstep show`` prints: the record, the metrics table, and the failure if any."""
-    record = run.read_record() or {}
-    result = Result.from_path(run.display_path)
+    run, record = stored
+    result = result_from_record(run, record, run.read_reports())
     lines = [
         f"run:          {record.get('name', run.name)}",
         f"path:         {run.display_path}",
@@ -98,13 +98,12 @@ def run_summary(run: RunStorage, all_rows: bool = False) -> str:
 # -- plot ---------------------------------------------------------------------------------------
 
 
-def numeric_metrics(history: list[dict[str, Any]]) -> list[str]:
+def plotted_metrics(history: list[dict[str, Any]]) -> list[str]:
     """Metric names with a number in at least one report (in first-seen order)."""
     names: dict[str, None] = {}
     for row in history:
-        for key, value in row.items():
-            if key not in ("report_index", "timestamp") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                names.setdefault(key)
+        names.update(dict.fromkeys(numeric_metrics({key: value for key, value in row.items()
+                                                    if key not in ("report_index", "timestamp")})))
     return list(names)
 
 
@@ -121,8 +120,8 @@ def plot_run(run: RunStorage, metrics: Sequence[str] | None, output: str) -> lis
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    history = Result.from_path(run.display_path).metrics_history
-    available = numeric_metrics(history)
+    history = [history_row(report) for report in run.read_reports()]
+    available = plotted_metrics(history)
     chosen = list(metrics or available)
     unknown = [name for name in chosen if name not in available]
     if unknown or not chosen:
@@ -170,14 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "runs":
             found = find_runs(args.storage)
             if args.json:
-                for run in found:
-                    print(json.dumps({**(run.read_record() or {}), "path": run.display_path}))
+                for run, record in found:
+                    print(json.dumps({**record, "path": run.display_path}))
             else:
                 print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
         elif args.command == "show":
             print(run_summary(open_run(args.run, args.storage), args.all), end="")
         else:
-            drawn = plot_run(open_run(args.run, args.storage), args.metric, args.output)
+            drawn = plot_run(open_run(args.run, args.storage)[0], args.metric, args.output)
             print(f"wrote {args.output} ({', '.join(drawn)})")
     except (OSError, ValueError) as error:
         print(f"lockstep {args.command}: {type(error).__name__}: {error}", file=sys.stderr)

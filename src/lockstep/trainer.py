@@ -70,10 +70,12 @@ class DataParallelTrainer:
         self.scaling_config = scaling_config or ScalingConfig()
         self.run_config = run_config or RunConfig()
         self.datasets = dict(datasets or {})
+        self._ray_datasets = {name: dataset for name, dataset in self.datasets.items() if is_ray_dataset(dataset)}
+        self._torch_datasets = {name: dataset for name, dataset in self.datasets.items() if name not in self._ray_datasets}
         self.dataset_config = dataset_config or DataConfig()
         self.metadata = dict(metadata or {})
         self.resume_from_checkpoint = resume_from_checkpoint
-        _check_datasets(self.datasets, self.dataset_config, self.scaling_config.max_workers)
+        _check_datasets(self._torch_datasets, self.dataset_config, self.scaling_config.max_workers)
 
     def fit(self) -> Result:
         """Run the train function on every worker and wait for the run to end.
@@ -92,9 +94,8 @@ class DataParallelTrainer:
         name = self.run_config.name or default_run_name(type(self).__name__)
         storage = self._run_storage(name)
         log_dir = storage.local_log_dir()
-        ray_datasets = {key: dataset for key, dataset in self.datasets.items() if is_ray_dataset(dataset)}
         make_group = make_group_factory(
-            self.scaling_config, log_dir, self.run_config.worker_output, ray_datasets, self.dataset_config.should_split
+            self.scaling_config, log_dir, self.run_config.worker_output, self._ray_datasets, self.dataset_config.should_split
         )
         return self._drive(storage, log_dir, make_group, self.run_config.failure_config.max_failures,
                            lambda controller, payload: controller.run(payload))
@@ -137,7 +138,7 @@ class DataParallelTrainer:
         """Under torchrun: run the train function in this process as its rank; rank 0 also
         drives the run (see :mod:`lockstep._internal.executors.external`)."""
         external.check_world_size(launch, self.scaling_config)
-        if any(is_ray_dataset(dataset) for dataset in self.datasets.values()):
+        if self._ray_datasets:
             raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
         store = external.rendezvous_store(launch)
         name = self.run_config.name or external.shared_run_name(launch, store, type(self).__name__)
@@ -166,7 +167,7 @@ class DataParallelTrainer:
                     first_report_index=first_report_index,
                     checkpoint=checkpoint,
                     used_dir_names=recorder.committed_dir_names,
-                    datasets={name: dataset for name, dataset in self.datasets.items() if not is_ray_dataset(dataset)},
+                    datasets=self._torch_datasets,
                     dataset_config=self.dataset_config,
                     metadata=self.metadata,
                 )
@@ -202,7 +203,7 @@ def _check_train_fn(train_fn: Any) -> None:
 def _check_datasets(datasets: dict[str, Any], config: DataConfig, num_workers: int) -> None:
     """Datasets to split must be map-style and hold at least one item per worker."""
     for name, dataset in datasets.items():
-        if not config.should_split(name) or is_ray_dataset(dataset):
+        if not config.should_split(name):
             continue
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(

@@ -19,6 +19,7 @@ import cloudpickle
 from lockstep._internal import protocol
 from lockstep._internal.executors import GroupFactory
 from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.metrics_text import metrics_text
 from lockstep._internal.progress import ProgressLine
 from lockstep._internal.run_record import RunRecorder
 from lockstep.callbacks import CallbackRunner
@@ -272,7 +273,7 @@ class Controller:
             )
         dir_name = dir_names[0] if dir_names else None
         report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name)
-        logger.info("report #%d: %s", index, _short(report["metrics"]))
+        logger.info("report #%d: %s", index, metrics_text(report["metrics"], limit=200))
         if self.progress is not None:
             self.progress.on_report(index, report["metrics"])
         self._callback("after_report", index, report["metrics"])
@@ -345,12 +346,6 @@ class Controller:
                 exited.rank, "WorkerDied", exited.cause or f"the worker process {describe_exit(exited.returncode)}",
                 group.output_tail(exited.rank),
             ))
-
-
-def _short(metrics: dict[str, Any], limit: int = 200) -> str:
-    """Metrics for a log line, cut to ``limit`` characters."""
-    text = ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in metrics.items())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def describe_exit(returncode: int) -> str:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import IO, Any
 
+from lockstep._internal.metrics_text import metrics_text
+
 #: Without a terminal, a plain line at most this often (and at the end).
 PLAIN_INTERVAL_S = 30.0
 
@@ -92,7 +94,7 @@ class ProgressLine:
         if self.checkpoint:
             parts.append(f"ckpt {self.checkpoint}")
         if self.metrics:
-            parts.append(_metrics_text(self.metrics))
+            parts.append(metrics_text(self.metrics, separator=" ", scalars_only=True))
         return " | ".join(parts)
 
     def _show(self) -> None:
@@ -129,14 +131,6 @@ class ProgressLine:
         self._mid_output_line = not ends_line
         if self.live and ends_line:
             self._write_line(self.text(), final=False)
-
-
-def _metrics_text(metrics: dict[str, Any]) -> str:
-    shown = [
-        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-        for key, value in metrics.items() if isinstance(value, (int, float, str)) and not isinstance(value, bool)
-    ]
-    return " ".join(shown)
 
 
 def _is_terminal(stream: IO[str]) -> bool:

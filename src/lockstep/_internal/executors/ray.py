@@ -127,8 +127,7 @@ def describe_nodes(nodes: Mapping[str, Mapping[str, float]]) -> str:
     """The nodes' resources, one line each, for error messages."""
     shown = []
     for label, node in nodes.items():
-        resources = {key: value for key, value in node.items() if not key.startswith("node:") and key != "object_store_memory"}
-        shown.append(f"  {label}: {_short_resources(resources) or 'nothing'}")
+        shown.append(f"  {label}: {_short_resources(node) or 'nothing'}")
     return "\n".join(shown) or "  (no alive nodes)"
 
 
@@ -137,7 +136,11 @@ def _amount(key: str, value: float) -> str:
 
 
 def _short_resources(resources: Mapping[str, float]) -> str:
-    return ", ".join(f"{key}={_amount(key, value)}" for key, value in sorted(resources.items()) if key != "object_store_memory")
+    """The resources that mean something to a user (not Ray's per-node markers or its object store)."""
+    return ", ".join(
+        f"{key}={_amount(key, value)}" for key, value in sorted(resources.items())
+        if not key.startswith("node:") and key != "object_store_memory"
+    )
 
 
 def alive_nodes() -> dict[str, dict[str, float]]:
@@ -180,7 +183,7 @@ def reserve(spec: GroupSpec) -> Any:
     if group.wait(timeout_seconds=spec.placement_timeout_s):
         return group
     remove_placement_group(group)
-    available = {key: value for key, value in ray.available_resources().items() if not key.startswith("node:")}
+    available = ray.available_resources()
     raise TrainingFailedError(
         f"Ray could not place {spec.num_workers} worker(s) of {bundle} ({spec.placement_strategy}) within "
         f"{spec.placement_timeout_s:g} s (ScalingConfig.placement_timeout_s): other work holds the resources. "
