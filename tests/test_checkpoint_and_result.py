@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lockstep import Checkpoint, CheckpointConfig, Result
-from lockstep._internal.checkpoints import checkpoints_to_delete
+from lockstep._internal.checkpoints import best_checkpoints, checkpoints_to_delete
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import CheckpointEntry, RunStorage
 
@@ -57,6 +57,58 @@ def test_retention_by_score_never_deletes_the_latest() -> None:
         entries, CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="acc", checkpoint_score_order="min")
     )
     assert [entry.report_index for entry in doomed_min] == [0, 1, 2]
+
+
+def test_best_checkpoints_are_the_top_k_worst_first_as_in_ray_train() -> None:
+    entries = [_entry(index, acc=score) for index, score in enumerate([3, 9, 1, 7, 5, 2])]
+    top_max = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="acc", checkpoint_score_order="max")
+    assert [entry.metrics["acc"] for entry in best_checkpoints(entries, top_max)] == [7, 9]
+    top_min = CheckpointConfig(num_to_keep=3, checkpoint_score_attribute="acc", checkpoint_score_order="min")
+    assert [entry.metrics["acc"] for entry in best_checkpoints(entries, top_min)] == [3, 2, 1]
+    every = CheckpointConfig(checkpoint_score_attribute="acc")
+    assert [entry.metrics["acc"] for entry in best_checkpoints(entries, every)] == [1, 2, 3, 5, 7, 9]
+    latest = CheckpointConfig(num_to_keep=2)
+    assert [entry.report_index for entry in best_checkpoints(entries, latest)] == [4, 5]
+
+
+def test_best_checkpoints_break_ties_by_report_order_and_rank_a_missing_score_last() -> None:
+    entries = [_entry(0, acc=5), _entry(1), _entry(2, acc=5), _entry(3, acc=float("nan"))]
+    config = CheckpointConfig(num_to_keep=3, checkpoint_score_attribute="acc")
+    assert [entry.report_index for entry in best_checkpoints(entries, config)] == [3, 0, 2]
+    assert [entry.report_index for entry in best_checkpoints(entries, CheckpointConfig(
+        num_to_keep=2, checkpoint_score_attribute="acc"))] == [0, 2]
+
+
+def test_the_latest_checkpoint_is_kept_but_not_listed_among_the_best(tmp_path: Path) -> None:
+    storage = RunStorage.for_run(str(tmp_path), "run")
+    config = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score", checkpoint_score_order="max")
+    recorder = RunRecorder(storage, config, world_size=1)
+    recorder.open()
+    for index, score in enumerate([3, 9, 1, 7, 5, 2]):
+        name = f"checkpoint_{index:06d}"
+        Path(storage.checkpoint_path(name)).mkdir()
+        recorder.log_report(index, json.dumps({"score": score}), name)
+        recorder.commit_checkpoint(name, index, {"score": score})
+    recorder.finish("finished")
+
+    for result in (recorder.result(), Result.from_path(tmp_path / "run")):
+        assert [metrics["score"] for _, metrics in result.best_checkpoints] == [7, 9]
+        assert [Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints] == [
+            "checkpoint_000003", "checkpoint_000001"]
+        assert result.checkpoint is not None and Path(result.checkpoint.path).name == "checkpoint_000005"
+        assert result.get_best_checkpoint("score", "max") == result.best_checkpoints[-1][0]
+        assert result.get_best_checkpoint("score", "min") == result.best_checkpoints[0][0]
+    kept = sorted(path.name for path in (tmp_path / "run").glob("checkpoint_*"))
+    assert kept == ["checkpoint_000001", "checkpoint_000003", "checkpoint_000005"], "the latest stays on disk"
+
+
+def test_a_record_without_a_best_list_lists_every_kept_checkpoint(tmp_path: Path) -> None:
+    storage = _run_with_one_checkpoint(tmp_path)
+    record = storage.read_record()
+    del record["best_checkpoints"]
+    storage.write_record(record)
+    result = Result.from_path(tmp_path / "run")
+    assert [Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints] == ["checkpoint_000000"]
 
 
 def test_recorder_commits_and_result_reads_back(tmp_path: Path) -> None:

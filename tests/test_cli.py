@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep import RunConfig, TrainingFailedError
+from lockstep import RunConfig, TrainingFailedError, cli
 from lockstep.torch import TorchTrainer
 
 
@@ -68,6 +68,19 @@ def test_plot_draws_the_chosen_metrics(local_runs: str, tmp_path: Path) -> None:
     assert "loss" in drawn.stdout and output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refused = lockstep_cli("plot", "good", "--storage", local_runs, "-m", "accuracy", "-o", str(output))
     assert refused.returncode == 2 and "it has: step, loss" in refused.stderr
+
+
+def test_plot_without_matplotlib_says_what_to_install(local_runs: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    status = cli.main(["plot", "good", "--storage", local_runs, "-o", str(tmp_path / "curves.png")])
+    printed = capsys.readouterr()
+    assert status == 2 and printed.out == ""
+    assert "matplotlib, which is not installed" in printed.err and "pip install matplotlib" in printed.err
+    assert "Traceback" not in printed.err and not (tmp_path / "curves.png").exists()
 
 
 def test_unknown_storage_and_run_are_clear_errors(tmp_path: Path) -> None:

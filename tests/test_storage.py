@@ -87,7 +87,7 @@ def test_async_uploads_commit_in_order_after_the_temp_folder_is_gone(storage_pat
     ).fit()
     run = Path(storage_path, "async")
     assert sorted(path.name for path in run.glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000003"]
-    assert [metrics["score"] for _, metrics in result.best_checkpoints] == [9, 5]
+    assert [metrics["score"] for _, metrics in result.best_checkpoints] == [5, 9], "best last, as in Ray Train"
     assert Path(result.checkpoint.path, "step.txt").read_text() == "3"
     assert os.path.getsize(Path(result.checkpoint.path, "rank0.bin")) == 2_000_000
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import fsspec
 
-from lockstep._internal import storage
+from lockstep._internal import filesystems
 
 METADATA_FILE = ".metadata.json"
 
@@ -34,7 +34,7 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str], filesystem: fsspec.AbstractFileSystem | None = None) -> None:
-        self.filesystem, self.path = storage.resolve_filesystem(path, filesystem)
+        self.filesystem, self.path = filesystems.resolve_filesystem(path, filesystem)
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> "Checkpoint":
@@ -64,7 +64,7 @@ class Checkpoint:
     @property
     def is_local(self) -> bool:
         """Whether the files are on this machine's disk."""
-        return storage.is_local(self.filesystem)
+        return filesystems.is_local(self.filesystem)
 
     def to_directory(self, path: str | os.PathLike[str] | None = None) -> str:
         """Copy the checkpoint's files into a local folder and return that folder.
@@ -72,9 +72,9 @@ class Checkpoint:
         Args:
             path: Destination folder (created if missing); a new temporary folder when None.
         """
-        destination = os.fspath(path) if path is not None else storage.make_temp_dir("lockstep_checkpoint_")
+        destination = os.fspath(path) if path is not None else filesystems.make_temp_dir("lockstep_checkpoint_")
         os.makedirs(destination, exist_ok=True)
-        storage.download_directory(self.filesystem, self.path, destination)
+        filesystems.download_directory(self.filesystem, self.path, destination)
         return destination
 
     @contextlib.contextmanager
@@ -95,7 +95,7 @@ class Checkpoint:
 
     def get_metadata(self) -> dict[str, Any]:
         """The metadata dict stored in the checkpoint (``{}`` when none)."""
-        metadata_path = storage.join(self.path, METADATA_FILE)
+        metadata_path = filesystems.join(self.path, METADATA_FILE)
         if not self.filesystem.exists(metadata_path):
             return {}
         with self.filesystem.open(metadata_path, "r", encoding="utf-8") as handle:
@@ -105,7 +105,7 @@ class Checkpoint:
         """Replace the checkpoint's metadata (must be JSON-serializable)."""
         data = json.dumps(metadata)
         self.filesystem.makedirs(self.path, exist_ok=True)
-        with self.filesystem.open(storage.join(self.path, METADATA_FILE), "w", encoding="utf-8") as handle:
+        with self.filesystem.open(filesystems.join(self.path, METADATA_FILE), "w", encoding="utf-8") as handle:
             handle.write(data)
 
     def update_metadata(self, metadata: dict[str, Any]) -> None:

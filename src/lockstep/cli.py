@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lockstep._internal.storage import RECORD_FILE, RunStorage, join, resolve_filesystem
+from lockstep._internal.filesystems import join, resolve_filesystem
 from lockstep._internal.metrics_text import metrics_text
+from lockstep._internal.storage import RECORD_FILE, RunStorage
 from lockstep.callbacks import numeric_metrics
 from lockstep.config import DEFAULT_STORAGE_PATH
 from lockstep.result import history_row, result_from_record
@@ -80,7 +81,7 @@ def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
         f"created:      {record.get('created_at', '?')}   last update: {record.get('updated_at', '-')}",
         f"workers:      {record.get('world_size', '?')} ({record.get('executor', 'local')} executor)",
         f"reports:      {len(result.metrics_history)}   failures: {result.num_failures}",
-        f"checkpoints:  {len(result.best_checkpoints)} kept; latest: {result.checkpoint.path if result.checkpoint else '-'}",
+        f"checkpoints:  {len(record.get('checkpoints', []))} kept; latest: {result.checkpoint.path if result.checkpoint else '-'}",
         "",
     ]
     frame = result.metrics_dataframe
@@ -107,17 +108,34 @@ def plotted_metrics(history: list[dict[str, Any]]) -> list[str]:
     return list(names)
 
 
+def import_pyplot() -> Any:
+    """matplotlib's pyplot, drawing into files (no display needed).
+
+    Raises:
+        ImportError: matplotlib is not installed; the message says how to install it.
+    """
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            "`lockstep plot` draws with matplotlib, which is not installed in this environment "
+            f"({sys.executable}); install it with `pip install matplotlib`, then run the command again."
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_run(run: RunStorage, metrics: Sequence[str] | None, output: str) -> list[str]:
     """Draw each metric against the report index into ``output`` (one panel per metric);
     return the metrics drawn.
 
     Raises:
         ValueError: the run has no such metric, or nothing numeric to draw.
+        ImportError: matplotlib is not installed.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot()
     from matplotlib.ticker import MaxNLocator
 
     history = [history_row(report) for report in run.read_reports()]
@@ -178,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             drawn = plot_run(open_run(args.run, args.storage)[0], args.metric, args.output)
             print(f"wrote {args.output} ({', '.join(drawn)})")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:
         print(f"lockstep {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     return 0

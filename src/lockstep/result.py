@@ -24,7 +24,11 @@ class Result:
         error: The error that ended the run, or None.
         path: The run folder (a URI for remote storage).
         filesystem: The fsspec filesystem holding ``path``.
-        best_checkpoints: ``[(Checkpoint, metrics)]`` for every kept checkpoint, oldest first.
+        best_checkpoints: ``[(Checkpoint, metrics)]`` for the ``num_to_keep`` best checkpoints
+            by ``CheckpointConfig.checkpoint_score_attribute``, worst first and best last, as Ray
+            Train lists them; without a score attribute, the latest ones, oldest first; every
+            checkpoint when ``num_to_keep`` is None. The latest checkpoint (``checkpoint``) is
+            always kept in storage, but listed here only when it is among the best.
         return_value: What rank 0's train function returned (only from ``fit()``).
         num_failures: How many times the workers failed and were restarted (FailureConfig).
         metrics_history: Every report as a dict: ``report_index``, ``timestamp``,
@@ -88,15 +92,16 @@ def result_from_record(
     run: RunStorage, record: dict[str, Any], reports: list[dict[str, Any]], return_value: Any = None
 ) -> Result:
     """Build a Result from a run record and its report history."""
-    entries = [CheckpointEntry(**entry) for entry in record.get("checkpoints", [])]
-    kept = [(run.checkpoint_of(entry), entry.metrics) for entry in entries]
+    entries = {entry["dir_name"]: CheckpointEntry(**entry) for entry in record.get("checkpoints", [])}
+    latest = list(entries.values())[-1] if entries else None  # the record lists them in commit order
+    best = [entries[name] for name in record.get("best_checkpoints", entries)]  # a record of 0.1.0 has none
     return Result(
         metrics=dict(reports[-1]["metrics"]) if reports else None,
-        checkpoint=kept[-1][0] if kept else None,
+        checkpoint=run.checkpoint_of(latest) if latest is not None else None,
         error=error_from_record(record.get("error")),
         path=run.display_path,
         filesystem=run.filesystem,
-        best_checkpoints=kept,
+        best_checkpoints=[(run.checkpoint_of(entry), entry.metrics) for entry in best],
         return_value=return_value,
         num_failures=int(record.get("num_failures", 0)),
         metrics_history=[history_row(report) for report in reports],

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from lockstep._internal.checkpoints import checkpoints_to_delete
+from lockstep._internal.checkpoints import best_checkpoints, checkpoints_to_delete
 from lockstep._internal.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig
@@ -152,6 +152,7 @@ class RunRecorder:
             num_reports=len(self.reports),
             checkpoints=[asdict(entry) for entry in self.checkpoints],
             latest_checkpoint=self.checkpoints[-1].dir_name if self.checkpoints else None,
+            best_checkpoints=[entry.dir_name for entry in best_checkpoints(self.checkpoints, self.checkpoint_config)],
         )
         self.storage.write_record(self.record)
 

@@ -1,9 +1,10 @@
-"""Everything that touches storage: paths and URIs to filesystems, the run folder's layout,
-and the record that makes checkpoints count.
+"""The run folder on storage: its layout, the record that makes checkpoints count, the report
+history and worker logs (filesystems.py, below it, turns paths and URIs into filesystems).
 
 Run folder layout (``<storage_path>/<name>/``)::
 
-    lockstep_run.json        the run record: status, reports so far, committed checkpoints, error
+    lockstep_run.json        the run record: status, reports so far, committed checkpoints (oldest
+                             first) and which of them are the best, error
     reports.jsonl            one JSON line per report(): report_index, timestamp, metrics, checkpoint
     checkpoint_000003/       checkpoints (every rank's files merged into one folder)
 
@@ -22,17 +23,22 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-if TYPE_CHECKING:
-    from lockstep.checkpoint import Checkpoint
+from lockstep._internal.filesystems import (
+    is_local,
+    is_object_store,
+    join,
+    make_temp_dir,
+    resolve_filesystem,
+    upload_directory,
+)
+from lockstep.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +47,6 @@ REPORTS_FILE = "reports.jsonl"
 RESERVED_NAMES = frozenset({RECORD_FILE, REPORTS_FILE})
 RECORD_FORMAT_VERSION = 1
 DEFAULT_CHECKPOINT_NAME = re.compile(r"^checkpoint_\d{6,}$")
-
-
-def resolve_filesystem(path: str | os.PathLike[str], filesystem: Any = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Turn a local path or URI (``s3://…``) into ``(filesystem, path on that filesystem)``."""
-    path = os.fspath(path)
-    if filesystem is not None:
-        return filesystem, filesystem._strip_protocol(path)
-    if "://" not in path:
-        return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
-    return fsspec.core.url_to_fs(path)
 
 
 @contextlib.contextmanager
@@ -105,58 +101,13 @@ def check_storage_path(storage_path: str, storage: "RunStorage") -> None:
             )
     if is_local(filesystem) and os.path.exists(base) and not os.access(base, os.W_OK):
         raise PermissionError(f"{base} is read-only")
-    if _is_object_store(filesystem):
+    if is_object_store(filesystem):
         bucket = storage.run_path.split("/", 1)[0]
         filesystem.invalidate_cache(bucket)
         try:
             filesystem.ls(bucket, detail=False)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"the bucket {bucket!r} does not exist") from error
-
-
-OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
-
-
-def _is_object_store(filesystem: fsspec.AbstractFileSystem) -> bool:
-    """Whether paths on ``filesystem`` start with a bucket (which lockstep never creates)."""
-    protocols = filesystem.protocol if isinstance(filesystem.protocol, (tuple, list)) else (filesystem.protocol,)
-    return bool(OBJECT_STORE_PROTOCOLS & set(protocols))
-
-
-def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
-    """Whether ``filesystem`` is this machine's own disk."""
-    return isinstance(filesystem, LocalFileSystem)
-
-
-def upload_directory(local_dir: str, filesystem: fsspec.AbstractFileSystem, destination: str) -> None:
-    """Copy a local folder's files into ``destination`` on ``filesystem`` (merging with what is there)."""
-    if is_local(filesystem):
-        shutil.copytree(local_dir, destination, dirs_exist_ok=True)
-        return
-    for root, _, files in os.walk(local_dir):
-        relative = os.path.relpath(root, local_dir)
-        target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
-        if not _is_object_store(filesystem):
-            filesystem.makedirs(target, exist_ok=True)
-        for name in files:
-            filesystem.put_file(os.path.join(root, name), join(target, name))
-
-
-def download_directory(filesystem: fsspec.AbstractFileSystem, source: str, local_dir: str) -> None:
-    """Copy the folder ``source`` on ``filesystem`` into the local folder ``local_dir``."""
-    if is_local(filesystem):
-        shutil.copytree(source, local_dir, dirs_exist_ok=True)
-        return
-    for remote in filesystem.find(source):
-        relative = remote[len(source.rstrip("/")) + 1:]
-        local = os.path.join(local_dir, *relative.split("/"))
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        filesystem.get_file(remote, local)
-
-
-def join(*parts: str) -> str:
-    """Join path parts with '/', the separator every fsspec filesystem understands."""
-    return "/".join([parts[0].rstrip("/"), *(part.strip("/") for part in parts[1:])])
 
 
 @dataclass(frozen=True)
@@ -209,8 +160,6 @@ class RunStorage:
 
     def checkpoint_of(self, entry: CheckpointEntry) -> Checkpoint:
         """The Checkpoint a record entry names."""
-        from lockstep.checkpoint import Checkpoint
-
         if entry.path is not None:
             return Checkpoint(entry.path)
         return Checkpoint(self.checkpoint_path(entry.dir_name), self.filesystem)
@@ -272,7 +221,7 @@ class RunStorage:
                 handle.write(data)
             os.replace(temporary, target)
         else:
-            if not _is_object_store(self.filesystem):
+            if not is_object_store(self.filesystem):
                 self.filesystem.makedirs(self.run_path, exist_ok=True)
             self.filesystem.pipe_file(target, data.encode())
 
@@ -384,8 +333,3 @@ class RewritingReportLog(ReportLog):
             self._thread = None
         if len(self._lines) != self._written:
             self._write(list(self._lines))
-
-
-def make_temp_dir(prefix: str) -> str:
-    """A fresh local temporary folder."""
-    return tempfile.mkdtemp(prefix=prefix)

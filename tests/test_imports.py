@@ -1,0 +1,189 @@
+"""lockstep's modules import each other without cycles.
+
+Every import of a ``lockstep`` module counts, at module level or inside a function (a lazy
+import hides a cycle from Python, not from the design); imports under ``if TYPE_CHECKING:`` are
+left out, since they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+SOURCE_ROOT = REPO_ROOT / "src"
+PACKAGE = "lockstep"
+
+#: module name -> the lockstep modules it imports
+Graph = dict[str, set[str]]
+
+
+def module_name(path: Path) -> str:
+    """``src/lockstep/_internal/storage.py`` -> ``lockstep._internal.storage``."""
+    parts = list(path.relative_to(SOURCE_ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package, by name."""
+    return {module_name(path): path for path in sorted((SOURCE_ROOT / PACKAGE).rglob("*.py"))}
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``tree``, at any depth, except in the body of a TYPE_CHECKING
+    block (its ``else:`` branch runs, so it counts)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if is_type_checking_block(node):
+            for child in node.orelse:
+                yield from import_nodes(ast.Module(body=[child], type_ignores=[]))
+            continue
+        yield from import_nodes(node)
+
+
+def absolute_base(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """The module a ``from … import`` names, with relative imports made absolute."""
+    if not node.level:
+        return node.module or ""
+    anchor = importer.split(".")
+    drop = node.level - 1 if is_package else node.level
+    anchor = anchor[: len(anchor) - drop]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The lockstep modules one import statement loads (only the named module, not its parents)."""
+    if isinstance(node, ast.Import):
+        names = {alias.name for alias in node.names}
+    else:
+        base = absolute_base(node, importer, is_package)
+        names = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return {name for name in names if name in modules}
+
+
+def import_graph() -> Graph:
+    """Each lockstep module and the lockstep modules it imports."""
+    modules = package_modules()
+    graph: Graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        is_package = path.name == "__init__.py"
+        graph[name] = set()
+        for node in import_nodes(tree):
+            graph[name] |= imported_modules(node, name, is_package, set(modules))
+        graph[name].discard(name)
+    return graph
+
+
+def strongly_connected_components(graph: Graph) -> list[list[str]]:
+    """Tarjan's algorithm: the groups of modules that reach each other (iterative, no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def one_cycle(graph: Graph, component: list[str]) -> list[str]:
+    """A shortest import cycle through the first module of ``component``, as a path that ends
+    where it starts."""
+    members = set(component)
+    start = component[0]
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        next_frontier = []
+        for node in frontier:
+            for child in sorted(graph[node] & members):
+                if child == start:
+                    return paths[node] + [start]
+                if child not in paths:
+                    paths[child] = paths[node] + [child]
+                    next_frontier.append(child)
+        frontier = next_frontier
+    raise AssertionError(f"{component} is not a cycle")
+
+
+def import_cycles(graph: Graph) -> list[list[str]]:
+    """One cycle per group of modules that import each other."""
+    return [one_cycle(graph, component) for component in strongly_connected_components(graph) if len(component) > 1]
+
+
+# -- the checks -------------------------------------------------------------------------------
+
+
+def test_lockstep_has_no_import_cycles() -> None:
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles in src/lockstep (break them; a lazy import doesn't count):\n" + "\n".join(
+        "  " + " -> ".join(cycle) for cycle in cycles
+    )
+
+
+def test_the_graph_sees_lazy_relative_and_from_imports_but_not_type_checking_ones() -> None:
+    modules = {"lockstep", "lockstep.a", "lockstep.b", "lockstep.sub", "lockstep.sub.c", "lockstep.sub.d"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import lockstep.a\n"
+        "from . import d\n"
+        "if TYPE_CHECKING:\n"
+        "    import lockstep.b\n"
+        "def later():\n"
+        "    from lockstep.sub import helper\n"
+    )
+    found: set[str] = set()
+    for node in import_nodes(ast.parse(source)):
+        found |= imported_modules(node, "lockstep.sub.c", False, modules)
+    assert found == {"lockstep.a", "lockstep.sub.d", "lockstep.sub"}
+
+
+def test_every_group_of_modules_importing_each_other_is_reported() -> None:
+    graph: Graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
