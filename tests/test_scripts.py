@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -186,33 +188,72 @@ def rank_results(stdout: str) -> dict[int, dict]:
     return found
 
 
+def assert_every_rank_got_rank_0s_result(ranks: dict[int, dict]) -> None:
+    """Each rank's fit() returned a Result of the same run: same folder, metrics, checkpoints,
+    history (the return value is rank 0's own)."""
+    assert sorted(ranks) == [0, 1], "every rank's fit() must return"
+    compared = ("path", "metrics", "checkpoint", "checkpoint_files", "best_checkpoints", "history", "num_failures", "error")
+    for key in compared:
+        assert ranks[1][key] == ranks[0][key], f"rank 1's Result.{key} differs from rank 0's"
+    assert ranks[0]["error"] is None and ranks[0]["checkpoint"] is not None
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+JOB = str(SCRIPTS / "torchrun_job.py")
+
+
 @pytest.mark.timeout(150)
 def test_under_torchrun_the_train_function_runs_in_torchrun_processes(tmp_path: Path) -> None:
-    completed = torchrun("--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path))
+    completed = torchrun("--max-restarts=0", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--rdzv_id=job42",
+                         JOB, str(tmp_path), "--default-name")
     assert completed.returncode == 0, completed.stdout + completed.stderr
     ranks = rank_results(completed.stdout)
-    assert sorted(ranks) == [0, 1], "every rank's fit() must return"
+    assert_every_rank_got_rank_0s_result(ranks)
     assert ranks[0]["metrics"]["pids"] == [ranks[0]["pid"], ranks[1]["pid"]], "the train function ran in other processes"
     assert ranks[0]["metrics"]["step"] == 1 and ranks[0]["metrics"]["sum"] == 2.0
-    assert ranks[0]["checkpoint"] == ["rank0.txt", "rank1.txt"] and ranks[0]["return_value"] == ranks[0]["pid"]
-    record = json.loads((tmp_path / "torchrun" / "lockstep_run.json").read_text())
+    assert ranks[0]["checkpoint_files"] == {"rank0.txt": "1", "rank1.txt": "1"}
+    assert ranks[0]["return_value"] == ranks[0]["pid"]
+    assert [row[:2] for row in ranks[0]["history"]] == [[0, 0], [1, 1]]
+    assert Path(ranks[0]["path"]) == tmp_path / "TorchTrainer_job42", "the run is named after torchrun's run id"
+    record = json.loads((tmp_path / "TorchTrainer_job42" / "lockstep_run.json").read_text())
     assert record["status"] == "finished" and record["executor"] == "external"
 
 
 @pytest.mark.timeout(150)
+def test_under_torchrun_without_a_run_id_every_rank_uses_rank_0s_run_name(tmp_path: Path) -> None:
+    # torchrun's static rendezvous gives no run id (TORCHELASTIC_RUN_ID=none), as a plain launcher would
+    completed = torchrun("--max-restarts=0", "--rdzv_backend=static", f"--master_port={free_port()}",
+                         JOB, str(tmp_path), "--default-name")
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    ranks = rank_results(completed.stdout)
+    assert_every_rank_got_rank_0s_result(ranks)
+    (run,) = tmp_path.iterdir()
+    assert Path(ranks[0]["path"]) == run
+    assert re.fullmatch(r"TorchTrainer_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{4}", run.name), run.name
+
+
+@pytest.mark.timeout(150)
 def test_under_torchrun_a_wrong_num_workers_is_refused(tmp_path: Path) -> None:
-    completed = torchrun("--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "3")
+    completed = torchrun("--max-restarts=0", JOB, str(tmp_path), "--num-workers", "3")
     assert completed.returncode != 0
     assert "ScalingConfig(num_workers=3)" in completed.stderr and "num_workers must be 2" in completed.stderr
 
 
 @pytest.mark.timeout(200)
 def test_under_torchrun_a_restarted_group_continues_the_run(tmp_path: Path) -> None:
-    completed = torchrun("--max-restarts=1", str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "2", "fail-once",
-                         timeout=190)
+    completed = torchrun("--max-restarts=1", JOB, str(tmp_path), "--fail-once", timeout=190)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "rank 1 fails once on purpose" in completed.stderr
     ranks = rank_results(completed.stdout)
-    assert ranks[0]["metrics"]["step"] == 3
+    assert_every_rank_got_rank_0s_result(ranks)
+    # rank 1 failed before report 2, so step 1's checkpoint was the latest: both ranks resumed from it
+    assert ranks[0]["history"] == [[0, 0, None], [1, 1, None], [2, 2, 1], [3, 3, 1]]
+    assert ranks[0]["metrics"]["step"] == 3 and ranks[0]["metrics"]["resumed_from"] == 1
+    assert ranks[0]["checkpoint_files"] == {"rank0.txt": "3", "rank1.txt": "3"}
     history = [json.loads(line)["metrics"]["step"] for line in (tmp_path / "torchrun" / "reports.jsonl").read_text().splitlines()]
     assert history == [0, 1, 2, 3]
