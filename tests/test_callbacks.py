@@ -1,9 +1,13 @@
 """Callbacks and the built-in loggers, on real runs; each logger's output is read back with its
-own tool (csv, json, TensorBoard's event reader, the MLflow client)."""
+own tool (csv, json, TensorBoard's event reader, the MLflow client). Then the one interface the
+controller tells everything through: its hook names, and lockstep's own listeners on it (the log
+lines, the progress line)."""
 
 from __future__ import annotations
 
+import ast
 import csv
+import io
 import json
 import logging
 import tempfile
@@ -14,7 +18,9 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig
-from lockstep.callbacks import Callback, CSVLogger, JSONLogger, MLflowLogger, RunInfo, TensorBoardLogger
+from lockstep._internal import controller, progress
+from lockstep._internal.listeners import Listeners, LogLines, listeners_for
+from lockstep.callbacks import AttemptStart, Callback, CSVLogger, JSONLogger, MLflowLogger, RunInfo, TensorBoardLogger
 from lockstep.torch import TorchTrainer
 
 
@@ -127,3 +133,106 @@ def test_a_ray_tune_style_callback_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"callbacks\[0\] is a .*NotOurs, not a lockstep.callbacks.Callback"):
         RunConfig(callbacks=[NotOurs()])
+
+
+# -- one interface -------------------------------------------------------------------------------
+
+HOOKS = sorted(name for name in vars(Callback) if name.startswith(("on_", "after_")))
+RUN = RunInfo("unit", "/runs/unit", 2, "/runs/unit/logs")
+
+
+def test_the_dispatcher_has_one_method_per_callback_hook() -> None:
+    assert len(HOOKS) >= 7
+    assert sorted(name for name in vars(Listeners) if not name.startswith("_")) == HOOKS
+
+
+def test_every_hook_the_controller_calls_is_a_callback_hook() -> None:
+    tree = ast.parse(Path(controller.__file__).read_text())
+    called = {
+        node.attr for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "listeners"
+    }
+    assert len(called) >= 7 and called <= set(HOOKS), f"not hooks of Callback: {called - set(HOOKS)}"
+
+
+def test_a_misspelled_hook_is_an_error_not_a_silence() -> None:
+    listeners = Listeners(RUN, [Recorder()])
+    with pytest.raises(AttributeError):
+        listeners.after_reprot(0, {"loss": 1.0})  # type: ignore[attr-defined]
+
+
+def test_a_user_method_named_almost_like_a_hook_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    class Typo(Recorder):
+        def on_chekpoint(self, run: RunInfo, index: int, checkpoint: Checkpoint) -> None:
+            pass
+
+        def on_epoch_end(self) -> None:  # a name of its own: no warning
+            pass
+
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        RunConfig(callbacks=[Typo(), Recorder()])
+    assert [record.getMessage() for record in caplog.records] == [
+        "Typo.on_chekpoint is not a Callback hook, so it is never called: did you mean on_checkpoint?"
+    ]
+
+
+class Exploding(Callback):
+    def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
+        raise RuntimeError("a bug in lockstep's own listener")
+
+
+def test_a_builtin_listener_that_raises_is_a_bug_and_raised_a_user_one_is_switched_off() -> None:
+    user, broken = Recorder(), Broken()
+    listeners = Listeners(RUN, [broken, user])
+    listeners.after_report(0, {"loss": 1.0})
+    listeners.after_report(1, {"loss": 0.5})
+    assert listeners.callbacks == [user] and user.calls == [("report", 0, 1.0), ("report", 1, 0.5)]
+    with pytest.raises(RuntimeError, match="a bug in lockstep's own listener"):
+        Listeners(RUN, [user], builtin=[Exploding()]).after_report(2, {"loss": 0.3})
+
+
+def test_log_lines_tell_each_report_checkpoint_failure_and_restart(caplog: pytest.LogCaptureFixture) -> None:
+    listeners = Listeners(RUN, builtin=[LogLines()])
+    with caplog.at_level(logging.INFO, logger="lockstep"):
+        listeners.after_report(0, {"loss": 1.0})
+        listeners.on_checkpoint(0, Checkpoint("/runs/unit/checkpoint_000000"))
+        listeners.on_failure(lockstep.TrainingFailedError("rank 1 died"), True)
+        listeners.on_attempt_start(AttemptStart(2, 2, "restart", Checkpoint("/runs/unit/checkpoint_000000"), 1, 3))
+        listeners.on_failure(lockstep.TrainingFailedError("rank 1 died again"), False)
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("INFO", "report #0: loss=1"),
+        ("INFO", "checkpoint checkpoint_000000 committed (report #0)."),
+        ("WARNING", "rank 1 died"),
+        ("WARNING", "Restarting the workers (failure 1 of 3 allowed), from /runs/unit/checkpoint_000000."),
+    ]
+
+
+@pytest.mark.parametrize(("terminal", "verbose", "level"), [(True, None, "DEBUG"), (False, None, "INFO"), (True, 0, "INFO")])
+def test_report_lines_go_to_debug_where_a_live_progress_line_shows_each_report(
+    terminal: bool, verbose: int | None, level: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: terminal)
+    listeners = listeners_for(RunConfig(verbose=verbose, callbacks=[Recorder()]), RUN)
+    kinds = [type(listener).__name__ for listener in listeners.builtin + listeners.callbacks]
+    assert kinds == ["LogLines", *(["ProgressCallback"] if verbose != 0 else []), "Recorder"]
+    with caplog.at_level(logging.DEBUG, logger="lockstep"):
+        Listeners(RUN, builtin=listeners.builtin[:1]).after_report(4, {"loss": 0.5})
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == [(level, "report #4: loss=0.5")]
+
+
+def test_the_progress_line_follows_the_hooks() -> None:
+    stream = io.StringIO()
+    line = progress.ProgressCallback("unit", 2, stream)
+    listeners = Listeners(RUN, builtin=[line])
+    listeners.on_run_start()
+    listeners.on_attempt_start(AttemptStart(1, 2, "start", None, 0, 1))
+    listeners.on_workers_changed(2)
+    listeners.after_report(0, {"loss": 1.0, "note": "text"})
+    listeners.on_checkpoint(0, Checkpoint("/runs/unit/checkpoint_000000"))
+    listeners.on_attempt_start(AttemptStart(2, 2, "restart", None, 1, 1))
+    listeners.on_run_end("failed", None)
+    assert stream.getvalue().splitlines() == [  # not a terminal: a plain line on the first report, and at the end
+        "lockstep unit | report 0 | 0:00:00 | 2/2 workers | loss=1 note=text",
+        "lockstep unit | report 0 | 0:00:00 | 0/2 workers | 1 restart(s) | ckpt checkpoint_000000 | loss=1 note=text | failed",
+    ]
+    assert progress._active is None, "an ended run's line is no longer drawn around workers' output"

@@ -150,21 +150,42 @@ def test_progress_line_in_a_pipe_is_plain_lines(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_progress_line_on_a_terminal_updates_in_place_around_worker_output(tmp_path: Path) -> None:
+    text = _run_on_a_terminal([str(SCRIPTS / "progress_job.py"), str(tmp_path)])
+    assert "\rlockstep progress | report 1 | " in text and "\x1b[K" in text
+    for step in range(3):  # on a wiped line, or after other worker output (lines may come in one write)
+        before = text[: text.index(f"rank 0 says {step}\r\n")]
+        assert before.endswith(("\r\x1b[K", "\r\n")), f"worker output is not written on a wiped line: {text!r}"
+    assert text.rstrip().endswith("step=2 loss=0.3333 | finished\x1b[K")
+
+
+@pytest.mark.timeout(120)
+def test_on_a_terminal_log_lines_never_land_on_the_progress_line(tmp_path: Path) -> None:
+    script = str(SCRIPTS / "progress_job.py")
+    with_logging = (
+        "import logging, runpy, sys; logging.basicConfig(level=logging.INFO, format='LOG %(message)s'); "
+        f"sys.argv = [{script!r}, {str(tmp_path)!r}]; runpy.run_path({script!r}, run_name='__main__')"
+    )
+    text = _run_on_a_terminal(["-c", with_logging])
+    assert "LOG Run progress: 2 workers" in text, "logging is on"
+    assert "report #" not in text, "on a terminal the progress line is the account of each report"
+    assert "\rlockstep progress | report 2 | " in text
+    for line in text.split("\n"):
+        assert "LOG " not in line or line.lstrip("\r\x1b[K").startswith("LOG "), f"a log record shares a line: {line!r}"
+
+
+def _run_on_a_terminal(args: list[str]) -> str:
+    """Run ``python *args`` with a pseudo-terminal as stdout and stderr; what it wrote."""
     import pty
 
     main_end, terminal = pty.openpty()
-    process = subprocess.Popen([sys.executable, str(SCRIPTS / "progress_job.py"), str(tmp_path)],
-                               stdout=terminal, stderr=terminal, cwd=REPO_ROOT)
+    process = subprocess.Popen([sys.executable, *args], stdout=terminal, stderr=terminal, cwd=REPO_ROOT)
     os.close(terminal)
     screen = b""
     while chunk := _read_or_empty(main_end):
         screen += chunk
     os.close(main_end)
     assert process.wait(timeout=100) == 0, screen.decode(errors="replace")
-    text = screen.decode()
-    assert "\rlockstep progress | report 1 | " in text and "\x1b[K" in text
-    assert "\r\x1b[Krank 0 says 1\r\n" in text, "worker output is not written on a wiped line"
-    assert text.rstrip().endswith("step=2 loss=0.3333 | finished\x1b[K")
+    return screen.decode()
 
 
 def _read_or_empty(fd: int) -> bytes:

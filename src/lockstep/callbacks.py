@@ -19,13 +19,13 @@ Example:
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 import logging
 import numbers
 import os
-import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lockstep.checkpoint import Checkpoint
 
@@ -50,11 +50,49 @@ class RunInfo:
     log_dir: str
 
 
+#: Why a worker group starts: the first of the run, after a failure, or to grow an elastic run.
+AttemptReason = Literal["start", "restart", "grow"]
+
+
+@dataclass(frozen=True)
+class AttemptStart:
+    """A worker group about to start.
+
+    Attributes:
+        number: 1 for the first group of this ``fit()``, then 2, 3, …
+        world_size: The group's number of workers (an elastic run's can change).
+        reason: ``"start"`` (the first group), ``"restart"`` (after a failure) or ``"grow"``
+            (an elastic run found room for more workers after a checkpoint).
+        checkpoint: What the workers resume from (``get_checkpoint()``), if anything.
+        failures: Failed attempts so far in this ``fit()``.
+        max_failures: Failed attempts allowed (``-1``: any number).
+    """
+
+    number: int
+    world_size: int
+    reason: AttemptReason
+    checkpoint: Checkpoint | None
+    failures: int
+    max_failures: int
+
+
 class Callback:
-    """Base class of callbacks: override the hooks you need (each does nothing by default)."""
+    """Base class of callbacks: override the hooks you need (each does nothing by default).
+
+    The hooks, in the order a run calls them: ``on_run_start``; then for each worker group
+    ``on_attempt_start``, ``on_workers_changed`` as workers connect and exit, ``after_report``
+    and ``on_checkpoint`` as reports and checkpoints are committed, ``on_failure`` when the group
+    fails; finally ``on_run_end``.
+    """
 
     def on_run_start(self, run: RunInfo) -> None:
         """Before the first workers start (also when a run is continued)."""
+
+    def on_attempt_start(self, run: RunInfo, attempt: AttemptStart) -> None:
+        """A worker group is about to start: the first, or one after a failure or to grow."""
+
+    def on_workers_changed(self, run: RunInfo, alive: int) -> None:
+        """A worker connected or exited: ``alive`` workers of the group are running now."""
 
     def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
         """Every rank made report ``index``; ``metrics`` are rank 0's, as recorded."""
@@ -227,31 +265,12 @@ class MLflowLogger(Callback):
             self._client.set_terminated(self.run_id, {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED"))
 
 
-# -- calling them -------------------------------------------------------------------------------
-
-
-class CallbackRunner:
-    """Calls every hook of every callback; one that raises is logged and switched off."""
-
-    def __init__(self, callbacks: list[Callback], run: RunInfo) -> None:
-        self.callbacks = list(callbacks)
-        self.run = run
-
-    def call(self, hook: str, *args: Any) -> None:
-        """Call ``hook(run, *args)`` on each callback still on."""
-        for callback in list(self.callbacks):
-            try:
-                getattr(callback, hook)(self.run, *args)
-            except Exception:  # noqa: BLE001 - a logger's failure must not end the training
-                logger.error(
-                    "Callback %s failed in %s; it is switched off for the rest of the run:\n%s",
-                    type(callback).__name__, hook, traceback.format_exc(),
-                )
-                self.callbacks.remove(callback)
+# -- checking them --------------------------------------------------------------------------------
 
 
 def check_callbacks(callbacks: list[Any]) -> None:
-    """Refuse anything that is not a lockstep Callback (e.g. a Ray Tune callback).
+    """Refuse anything that is not a lockstep Callback (e.g. a Ray Tune callback), and warn of a
+    method that looks like a misspelled hook (it would never be called).
 
     Raises:
         ValueError: naming the offending entry.
@@ -263,3 +282,18 @@ def check_callbacks(callbacks: list[Any]) -> None:
                 "lockstep.callbacks.Callback. Use lockstep's loggers (CSVLogger, JSONLogger, TensorBoardLogger, "
                 "MLflowLogger) or subclass lockstep.callbacks.Callback."
             )
+        for name, hook in misspelled_hooks(type(callback)).items():
+            logger.warning("%s.%s is not a Callback hook, so it is never called: did you mean %s?",
+                           type(callback).__name__, name, hook)
+
+
+def misspelled_hooks(cls: type[Callback]) -> dict[str, str]:
+    """The methods of ``cls`` named almost like a hook of :class:`Callback`, with that hook."""
+    hooks = [name for name in vars(Callback) if name.startswith(("on_", "after_"))]
+    found = {}
+    for klass in cls.__mro__[:-1]:
+        for name in vars(klass):
+            close = difflib.get_close_matches(name, hooks, n=1, cutoff=0.85)
+            if close and name not in hooks:
+                found[name] = close[0]
+    return found

@@ -1,128 +1,102 @@
 """The controller: runs the worker group, turns the workers' reports into committed reports,
 and decides what a failure means (restart from the latest checkpoint, or give up).
 
-A run is a sequence of attempts. Each attempt starts a fresh worker group and ends when every
-rank has finished (success) or one has failed. ``report()`` calls are collected per report
-index; when the last rank's call arrives the report is committed and every rank is released.
+A run is a sequence of attempts. Each attempt starts a fresh worker group and ends with an
+:class:`AttemptOutcome`: every rank finished, one failed, or an elastic run can grow. Its state
+is split by job: the :class:`ReportBarrier` (``report()`` is a collective), the
+:class:`CheckpointCommits` (committed in report order once uploaded) and the :class:`Liveness`
+of its ranks. Whatever happens is told to the run's :class:`Listeners`.
+
+Each rank that says Hello is told where the attempt starts (:class:`protocol.Start`): the next
+report index and the run's latest checkpoint, as the run record has them when the group starts.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import cloudpickle
+from typing import Any
 
 from lockstep._internal import protocol
-from lockstep._internal.executors import GroupFactory
-from lockstep._internal.executors.base import WorkerExited, WorkerGroup
-from lockstep._internal.metrics_text import metrics_text
-from lockstep._internal.progress import ProgressLine
+from lockstep._internal.checkpoint_commits import CheckpointCommits, agreed_dir_name
+from lockstep._internal.executors.base import GroupFactory, WorkerExited, WorkerGroup
+from lockstep._internal.failures import AttemptOutcome
+from lockstep._internal.listeners import Listeners
+from lockstep._internal.liveness import Liveness, RestartPolicy
+from lockstep._internal.report_barrier import ReportBarrier
 from lockstep._internal.run_record import RunRecorder
-from lockstep.callbacks import CallbackRunner
-from lockstep.checkpoint import Checkpoint
-from lockstep.errors import TrainingFailedError, WorkerFailure
+from lockstep._internal.storage import CheckpointEntry
+from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
+from lockstep.errors import TrainingFailedError
 from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
 
-PayloadBuilder = Callable[[int, Checkpoint | None], bytes]
-
 
 @dataclass
 class Attempt:
-    """What the controller knows about the current worker group."""
+    """What the controller knows about the current worker group, by job."""
 
-    world_size: int
-    started_at: float = field(default_factory=time.monotonic)
-    connected: set[int] = field(default_factory=set)
-    pending_reports: dict[int, dict[int, protocol.Report]] = field(default_factory=dict)
-    reports_made: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-    exited: set[int] = field(default_factory=set)
-    failures: list[WorkerFailure] = field(default_factory=list)
-    uploads: dict[int, "PendingCheckpoint"] = field(default_factory=dict)
-    uploaded_early: set[tuple[int, int]] = field(default_factory=set)
-    written_dir_names: set[str] = field(default_factory=set)
-    report_waiting_since: dict[int, float] = field(default_factory=dict)
-    stacks: dict[int, str] = field(default_factory=dict)
-    latest_sent: Checkpoint | None = None
+    start: protocol.Start
+    barrier: ReportBarrier
+    liveness: Liveness
+    commits: CheckpointCommits = field(default_factory=CheckpointCommits)
+    latest_sent: CheckpointEntry | None = None
     return_value: Any = None
-    grow: bool = False
+    stacks: dict[int, str] = field(default_factory=dict)
 
     @property
-    def succeeded(self) -> bool:
-        return len(self.exited) == self.world_size and len(self.finished) == self.world_size
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+        return self.liveness.world_size
 
     @property
-    def over(self) -> bool:
-        return bool(self.failures) or self.succeeded or self.grow
-
-
-@dataclass
-class PendingCheckpoint:
-    """A reported checkpoint whose ASYNC uploads are still running on ``waiting`` ranks."""
-
-    dir_name: str
-    metrics: dict[str, Any]
-    waiting: set[int]
-    external_path: str | None = None
+    def outcome(self) -> AttemptOutcome | None:
+        """How the attempt ended, or ``None`` while it goes on."""
+        return self.liveness.outcome
 
 
 class Controller:
-    """Drives one run to a Result or a TrainingFailedError."""
+    """Drives one run to a Result or a TrainingFailedError.
+
+    Args:
+        make_group: Starts the worker group of each attempt.
+        recorder: The run record that reports and checkpoints are committed to.
+        max_failures: Failed attempts allowed before the run fails (``-1``: any number).
+        has_resume_checkpoint: Whether the ranks start from the trainer's
+            ``resume_from_checkpoint`` while the run has no checkpoint of its own.
+        report_timeout_s: How long ranks may wait in a ``report()`` for the others.
+        listeners: Who hears about the run (log lines, progress line, callbacks); none if omitted.
+    """
 
     def __init__(
         self,
         make_group: GroupFactory,
-        build_payload: PayloadBuilder,
         recorder: RunRecorder,
         max_failures: int,
-        start_checkpoint: Checkpoint | None = None,
+        has_resume_checkpoint: bool = False,
         report_timeout_s: float | None = None,
-        progress: ProgressLine | None = None,
-        callbacks: CallbackRunner | None = None,
+        listeners: Listeners | None = None,
     ) -> None:
         self.make_group = make_group
-        self.build_payload = build_payload
         self.recorder = recorder
-        self.max_failures = max_failures
-        self.start_checkpoint = start_checkpoint
+        self.restart_policy = RestartPolicy(max_failures)
+        self.has_resume_checkpoint = has_resume_checkpoint
         self.report_timeout_s = report_timeout_s
-        self.progress = progress
-        self.callbacks = callbacks
-        self.failure_history: list[TrainingFailedError] = []
+        storage = recorder.storage
+        self.listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
 
-    def run(self, first_payload: bytes) -> Result:
+    @property
+    def failure_history(self) -> list[TrainingFailedError]:
+        """The error of each failed attempt so far."""
+        return self.restart_policy.history
+
+    def run(self) -> Result:
         """Run attempts until one succeeds or failures exceed ``max_failures``."""
-        payload = first_payload
-        self._callback("on_run_start")
+        self.listeners.on_run_start()
         try:
-            while True:
-                attempt = self._run_attempt(payload)
-                if attempt.succeeded:
-                    assert not attempt.uploads, f"uploads still pending after every rank finished: {attempt.uploads}"
-                    self._finish("finished")
-                    return self.recorder.result(attempt.return_value)
-                if attempt.grow and not attempt.failures:
-                    logger.warning("More than %d workers fit now: restarting with more, from %s.",
-                                   attempt.world_size, self.recorder.latest_checkpoint)
-                    payload = self.build_payload(self.recorder.next_report_index, self._resume_checkpoint())
-                    continue
-                error = TrainingFailedError.from_failures(attempt.failures, self._failure_context(), attempt.stacks)
-                self.failure_history.append(error)
-                self.recorder.count_failure()
-                self._callback("on_failure", error, self._may_restart())
-                if not self._may_restart():
-                    raise self._final_error(error)
-                logger.warning("%s\nRestarting the workers (failure %d of %s allowed).", error,
-                               len(self.failure_history), self._allowed())
-                if self.progress is not None:
-                    self.progress.on_restart()
-                payload = self.build_payload(self.recorder.next_report_index, self._resume_checkpoint())
+            return self._run_attempts()
         except KeyboardInterrupt:
             self._finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
             raise
@@ -137,62 +111,71 @@ class Controller:
             self._finish("failed", failure)
             raise failure from error
 
+    def _run_attempts(self) -> Result:
+        number = 1
+        reason: AttemptReason = "start"
+        while True:
+            attempt = self._run_attempt(AttemptStart(
+                number, self.make_group.size_now(), reason, self.recorder.latest_checkpoint,
+                len(self.failure_history), self.restart_policy.max_failures,
+            ))
+            if attempt.outcome is AttemptOutcome.SUCCEEDED:
+                assert not attempt.commits.pending, f"uploads still pending after every rank finished: {attempt.commits.pending}"
+                self._finish("finished")
+                return self.recorder.result(attempt.return_value)
+            if attempt.outcome is AttemptOutcome.FAILED:
+                self._fail_or_go_on(attempt)
+            number, reason = number + 1, "grow" if attempt.outcome is AttemptOutcome.GROW else "restart"
+
+    def _fail_or_go_on(self, attempt: Attempt) -> None:
+        """Count the failed attempt; raise its error unless the policy allows a restart."""
+        error = TrainingFailedError.from_failures(attempt.liveness.failures, self._failure_context(), attempt.stacks)
+        restarting = self.restart_policy.record(error)
+        self.recorder.count_failure()
+        self.listeners.on_failure(error, restarting)
+        if not restarting:
+            raise self.restart_policy.final_error(error)
+
     def _finish(self, status: str, error: TrainingFailedError | None = None) -> None:
-        """Record how the run ended, and leave the progress line's last state on screen."""
-        if self.progress is not None:
-            self.progress.finish(status)
-        self.recorder.finish(status, error)
-        self._callback("on_run_end", status, error)
+        """Record how the run ended, and tell the listeners (also when recording it failed)."""
+        try:
+            self.recorder.finish(status, error)
+        finally:
+            self.listeners.on_run_end(status, error)
 
-    def _callback(self, hook: str, *args: Any) -> None:
-        if self.callbacks is not None:
-            self.callbacks.call(hook, *args)
+    def _latest_entry(self) -> CheckpointEntry | None:
+        return self.recorder.checkpoints[-1] if self.recorder.checkpoints else None
 
-    def _workers_changed(self, attempt: Attempt) -> None:
-        if self.progress is not None:
-            self.progress.on_workers(len(attempt.connected - attempt.exited))
-
-    def _resume_checkpoint(self) -> Checkpoint | None:
-        return self.recorder.latest_checkpoint or self.start_checkpoint
+    def _start_message(self) -> protocol.Start:
+        """Where the ranks of a new group start: after the last report, from the latest checkpoint."""
+        latest = self._latest_entry()
+        return protocol.Start(self.recorder.next_report_index, latest, self.has_resume_checkpoint and latest is None,
+                              list(self.recorder.committed_dir_names))
 
     def _failure_context(self) -> str:
         return f" (report #{self.recorder.next_report_index} was next)"
 
-    def _allowed(self) -> str:
-        return "unlimited" if self.max_failures < 0 else str(self.max_failures)
-
-    def _may_restart(self) -> bool:
-        return self.max_failures < 0 or len(self.failure_history) <= self.max_failures
-
-    def _final_error(self, error: TrainingFailedError) -> TrainingFailedError:
-        if len(self.failure_history) == 1:
-            return error
-        lines = [f"Training failed {len(self.failure_history)} times (max_failures={self.max_failures})."]
-        lines += [f"Failure {number}: {failure}" for number, failure in enumerate(self.failure_history, 1)]
-        return TrainingFailedError("\n\n".join(lines), error.failures)
-
     # -- one attempt --------------------------------------------------------------------------
 
-    def _run_attempt(self, payload: bytes) -> Attempt:
-        size = self.make_group.size_now()
-        self.recorder.set_world_size(size)
-        if self.progress is not None:
-            self.progress.world_size = size
-        attempt = Attempt(size, latest_sent=self._resume_checkpoint())
-        group = self.make_group(size)
+    def _run_attempt(self, start: AttemptStart) -> Attempt:
+        self.recorder.set_world_size(start.world_size)
+        attempt = Attempt(self._start_message(), ReportBarrier(start.world_size, self.report_timeout_s),
+                          Liveness(start.world_size), latest_sent=self._latest_entry())
+        self.listeners.on_attempt_start(start)
+        group = self.make_group(start.world_size)
         try:
-            group.start(payload)
-            while not attempt.over:
-                events = group.wait_events(self._time_to_report_deadline(attempt))
-                for event in events:
+            group.start()
+            while attempt.outcome is None:
+                for event in group.wait_events(attempt.barrier.time_to_deadline()):
                     self._handle(event, attempt, group)
-                self._check_report_deadline(attempt)
-            if attempt.failures:
-                attempt.stacks = group.dump_stacks(self._ranks_still_running(attempt))
+                if not attempt.liveness.failures:
+                    attempt.liveness.fail(attempt.barrier.overdue())
+            if attempt.outcome is AttemptOutcome.FAILED:
+                attempt.stacks = group.dump_stacks(attempt.liveness.still_running())
         finally:
             group.stop()
-        if not attempt.succeeded:
-            self.recorder.discard_uncommitted(attempt.written_dir_names)
+        if attempt.outcome is not AttemptOutcome.SUCCEEDED:
+            self.recorder.discard_uncommitted(attempt.commits.written_dir_names)
         return attempt
 
     def _handle(self, event: Any, attempt: Attempt, group: WorkerGroup) -> None:
@@ -201,61 +184,38 @@ class Controller:
         elif isinstance(event, protocol.CheckpointUploaded):
             self._on_uploaded(event, attempt)
         elif isinstance(event, protocol.WritingCheckpoint):
-            attempt.written_dir_names.add(event.dir_name)
+            attempt.commits.writing(event.dir_name)
         elif isinstance(event, protocol.Hello):
-            self._on_hello(event, attempt)
+            self._on_hello(event, attempt, group)
         elif isinstance(event, protocol.Finished):
-            self._on_finished(event, attempt)
+            self._on_finished(event, attempt, group)
         elif isinstance(event, protocol.Failed):
-            attempt.failures.append(event.failure)
+            attempt.liveness.fail([event.failure])
         elif isinstance(event, WorkerExited):
-            self._on_exit(event, attempt, group)
+            attempt.liveness.exit(event, group.output_tail)
+            self.listeners.on_workers_changed(attempt.liveness.alive)
 
-    def _on_hello(self, hello: protocol.Hello, attempt: Attempt) -> None:
-        attempt.connected.add(hello.rank)
-        self._workers_changed(attempt)
-        if len(attempt.connected) == attempt.world_size:
-            logger.debug("%d workers connected in %.2f s.", attempt.world_size, time.monotonic() - attempt.started_at)
+    def _on_hello(self, hello: protocol.Hello, attempt: Attempt, group: WorkerGroup) -> None:
+        liveness = attempt.liveness
+        liveness.hello(hello.rank)
+        group.send(hello.rank, attempt.start)
+        self.listeners.on_workers_changed(liveness.alive)
+        if len(liveness.connected) == liveness.world_size:
+            logger.debug("%d workers connected in %.2f s.", liveness.world_size, time.monotonic() - liveness.started_at)
 
-    def _time_to_report_deadline(self, attempt: Attempt) -> float | None:
-        if self.report_timeout_s is None or not attempt.report_waiting_since:
-            return None
-        oldest = min(attempt.report_waiting_since.values())
-        return max(0.0, oldest + self.report_timeout_s - time.monotonic())
-
-    def _check_report_deadline(self, attempt: Attempt) -> None:
-        """Fail ranks that left others waiting in report() for longer than the timeout."""
-        if self.report_timeout_s is None or attempt.failures:
-            return
-        for index, since in attempt.report_waiting_since.items():
-            if time.monotonic() - since < self.report_timeout_s:
-                continue
-            calls = attempt.pending_reports[index]
-            waiting = ", ".join(str(rank) for rank in sorted(calls))
-            attempt.failures += [
-                WorkerFailure(rank, "ReportTimeout",
-                              f"did not call report #{index} within {self.report_timeout_s:g} s while rank(s) "
-                              f"{waiting} waited in it (FailureConfig.report_timeout_s).")
-                for rank in range(attempt.world_size) if rank not in calls
-            ]
-            return
-
-    def _ranks_still_running(self, attempt: Attempt) -> list[int]:
-        failed = {failure.rank for failure in attempt.failures if failure.error_type != "ReportTimeout"}
-        return [rank for rank in range(attempt.world_size) if rank not in attempt.exited and rank not in failed]
+    def _on_finished(self, finished: protocol.Finished, attempt: Attempt, group: WorkerGroup) -> None:
+        attempt.liveness.finish(finished.rank)
+        if finished.rank == 0:
+            attempt.return_value = group.return_value(finished)
+        attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished))
 
     def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
-        attempt.reports_made[report.rank] = report.index + 1
-        calls = attempt.pending_reports.setdefault(report.index, {})
-        attempt.report_waiting_since.setdefault(report.index, time.monotonic())
-        calls[report.rank] = report
-        if len(calls) < attempt.world_size:
-            self._check_no_rank_left(attempt)
+        calls = attempt.barrier.arrive(report)
+        if calls is None:
+            attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished))
             return
-        del attempt.pending_reports[report.index]
-        del attempt.report_waiting_since[report.index]
         self._record(report.index, calls, attempt)
-        latest = self.recorder.latest_checkpoint
+        latest = self._latest_entry()
         changed = latest if latest != attempt.latest_sent else None
         attempt.latest_sent = latest
         done = protocol.ReportDone(report.index, changed)
@@ -264,94 +224,26 @@ class Controller:
 
     def _record(self, index: int, calls: dict[int, protocol.Report], attempt: Attempt) -> None:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
-        with_checkpoint = [call for call in calls.values() if call.checkpoint_dir_name is not None]
-        dir_names = sorted({call.checkpoint_dir_name for call in with_checkpoint})
-        if len(dir_names) > 1:
-            raise TrainingFailedError(
-                f"report #{index}: ranks passed different checkpoint_dir_name values {dir_names}; "
-                "every rank must use the same name."
-            )
-        dir_name = dir_names[0] if dir_names else None
+        dir_name = agreed_dir_name(index, calls.values())
         report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name)
-        logger.info("report #%d: %s", index, metrics_text(report["metrics"], limit=200))
-        if self.progress is not None:
-            self.progress.on_report(index, report["metrics"])
-        self._callback("after_report", index, report["metrics"])
-        if dir_name is None:
-            return
-        uploading = {
-            call.rank for call in with_checkpoint
-            if call.checkpoint_state == "uploading" and (index, call.rank) not in attempt.uploaded_early
-        }
-        external = next((call.external_path for call in with_checkpoint if call.external_path), None)
-        attempt.uploads[index] = PendingCheckpoint(dir_name, report["metrics"], uploading, external)
-        self._commit_uploaded(attempt)
+        self.listeners.after_report(index, report["metrics"])
+        if dir_name is not None:
+            attempt.commits.reported(index, dir_name, report["metrics"], calls.values())
+            self._commit_ready(attempt)
 
     def _on_uploaded(self, uploaded: protocol.CheckpointUploaded, attempt: Attempt) -> None:
-        if uploaded.error is not None:
-            attempt.failures.append(WorkerFailure(uploaded.rank, "CheckpointUploadError", uploaded.error))
-            return
-        pending = attempt.uploads.get(uploaded.index)
-        if pending is None:  # the upload beat the other ranks' report() calls
-            attempt.uploaded_early.add((uploaded.index, uploaded.rank))
-            return
-        pending.waiting.discard(uploaded.rank)
-        self._commit_uploaded(attempt)
+        failure = attempt.commits.uploaded(uploaded)
+        if failure is not None:
+            attempt.liveness.fail([failure])
+        else:
+            self._commit_ready(attempt)
 
-    def _commit_uploaded(self, attempt: Attempt) -> None:
-        """Commit finished checkpoints in report order (a later one waits for an earlier one)."""
-        for index in sorted(attempt.uploads):
-            pending = attempt.uploads[index]
-            if pending.waiting:
-                return
+    def _commit_ready(self, attempt: Attempt) -> None:
+        """Commit the checkpoints whose uploads all ended, in report order; after each, an
+        elastic run that could have more workers now ends the attempt to grow."""
+        for index, pending in attempt.commits.ready():
             self.recorder.commit_checkpoint(pending.dir_name, index, pending.metrics, pending.external_path)
-            logger.info("checkpoint %s committed (report #%d).", pending.dir_name, index)
-            if self.progress is not None:
-                self.progress.on_checkpoint(pending.dir_name)
-            self._callback("on_checkpoint", index, self.recorder.latest_checkpoint)
-            attempt.grow = attempt.grow or self.make_group.can_grow(attempt.world_size)
-            del attempt.uploads[index]
-
-    def _on_finished(self, finished: protocol.Finished, attempt: Attempt) -> None:
-        attempt.finished.add(finished.rank)
-        if finished.rank == 0 and finished.return_value is not None:
-            attempt.return_value = cloudpickle.loads(finished.return_value)
-        self._check_no_rank_left(attempt)
-
-    def _check_no_rank_left(self, attempt: Attempt) -> None:
-        """Fail at once when ranks wait in a report() that a finished rank will never make."""
-        for index, calls in attempt.pending_reports.items():
-            gone = sorted(rank for rank in attempt.finished if rank not in calls)
-            if gone:
-                waiting = ", ".join(str(rank) for rank in sorted(calls))
-                attempt.failures += [
-                    WorkerFailure(
-                        rank, "ReportMismatch",
-                        f"returned from the train function after {attempt.reports_made.get(rank, 0)} "
-                        f"report() calls while rank(s) {waiting} wait in report #{index}; every rank must "
-                        "call report() the same number of times.",
-                    )
-                    for rank in gone
-                ]
-                return
-
-    def _on_exit(self, exited: WorkerExited, attempt: Attempt, group: WorkerGroup) -> None:
-        """A process ended; without a Finished or Failed message first, that is a failure, shown
-        with the last lines the rank wrote to stderr."""
-        attempt.exited.add(exited.rank)
-        self._workers_changed(attempt)
-        failed_ranks = {failure.rank for failure in attempt.failures}
-        if exited.rank not in attempt.finished and exited.rank not in failed_ranks:
-            attempt.failures.append(WorkerFailure(
-                exited.rank, "WorkerDied", exited.cause or f"the worker process {describe_exit(exited.returncode)}",
-                group.output_tail(exited.rank),
-            ))
-
-
-def describe_exit(returncode: int) -> str:
-    """How a process ended, in words (with the usual cause of a SIGKILL)."""
-    if returncode >= 0:
-        return f"exited with code {returncode} before its train function returned"
-    name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
-    hint = " (often the out-of-memory killer)" if -returncode == signal.SIGKILL else ""
-    return f"was killed by {name}{hint}"
+            latest = self.recorder.latest_checkpoint
+            assert latest is not None, f"{pending.dir_name} was committed but is not the latest checkpoint"
+            self.listeners.on_checkpoint(index, latest)
+            attempt.liveness.grow_if(self.make_group.can_grow)

@@ -7,12 +7,14 @@ Workers' console output and the line share the terminal: the line is wiped befor
 is written and drawn again after it (see :func:`around_output`).
 
 The line goes to stderr; lockstep's log messages, when you turn them on, go wherever logging
-sends them.
+sends them. On a terminal the line is the account of each report, so lockstep logs its
+per-report lines at DEBUG there, and writes its other messages with :func:`log_clear_of_line`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import sys
@@ -22,16 +24,19 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from lockstep._internal.metrics_text import metrics_text
+from lockstep.callbacks import AttemptStart, Callback, RunInfo
+from lockstep.checkpoint import Checkpoint
 
 #: Without a terminal, a plain line at most this often (and at the end).
 PLAIN_INTERVAL_S = 30.0
 
-_active: ProgressLine | None = None
+_active: ProgressCallback | None = None
 _lock = threading.RLock()
 
 
-class ProgressLine:
-    """What the driver shows while a run goes on."""
+class ProgressCallback(Callback):
+    """What the driver shows while a run goes on: a built-in callback, active (the line that
+    workers' console output is written around) from ``on_run_start`` to ``on_run_end``."""
 
     def __init__(self, name: str, world_size: int, stream: IO[str] | None = None) -> None:
         self.name = name
@@ -48,28 +53,35 @@ class ProgressLine:
         self._last_plain = 0.0
         self._mid_output_line = False
 
-    # -- what happened ---------------------------------------------------------------------------
+    # -- what happened (the Callback hooks) -----------------------------------------------------
 
-    def on_workers(self, alive: int) -> None:
-        """The number of live workers changed."""
+    def on_run_start(self, run: RunInfo) -> None:
+        global _active
+        self.started_at = time.monotonic()
+        _active = self
+
+    def on_attempt_start(self, run: RunInfo, attempt: AttemptStart) -> None:
+        self.world_size = attempt.world_size
+        self.restarts += attempt.reason == "restart"
+        self.on_workers_changed(run, 0)
+
+    def on_workers_changed(self, run: RunInfo, alive: int) -> None:
         self.workers_alive = alive
         self._show()
 
-    def on_report(self, index: int, metrics: dict[str, Any]) -> None:
-        """Report ``index`` was recorded with rank 0's ``metrics``."""
+    def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
         self.report_index, self.metrics = index, metrics
         self._show()
 
-    def on_checkpoint(self, dir_name: str) -> None:
-        """A checkpoint was committed."""
-        self.checkpoint = dir_name
+    def on_checkpoint(self, run: RunInfo, index: int, checkpoint: Checkpoint) -> None:
+        self.checkpoint = os.path.basename(checkpoint.path.rstrip("/"))
         self._show()
 
-    def on_restart(self) -> None:
-        """The workers are being restarted after a failure."""
-        self.restarts += 1
-        self.workers_alive = 0
-        self._show()
+    def on_run_end(self, run: RunInfo, status: str, error: Exception | None) -> None:
+        global _active
+        self.finish(status)
+        if _active is self:
+            _active = None
 
     def finish(self, status: str) -> None:
         """The run ended: leave the last state on its own line."""
@@ -141,17 +153,6 @@ def _is_terminal(stream: IO[str]) -> bool:
 
 
 @contextlib.contextmanager
-def showing(line: ProgressLine | None) -> Iterator[ProgressLine | None]:
-    """Make ``line`` the active progress line while the run goes on."""
-    global _active
-    _active = line
-    try:
-        yield line
-    finally:
-        _active = None
-
-
-@contextlib.contextmanager
 def around_output(ends_line: bool = True) -> Iterator[None]:
     """Wrap a write of workers' output to the console: wipe the line before, and draw it again
     after, unless the output stopped mid-line (the next update draws it then)."""
@@ -164,3 +165,11 @@ def around_output(ends_line: bool = True) -> Iterator[None]:
         finally:
             if line is not None:
                 line.after_output(ends_line)
+
+
+def log_clear_of_line(log: logging.Logger, level: int, message: str, *args: Any) -> None:
+    """Log ``message % args`` at ``level`` without writing over the active progress line: the
+    line is wiped before the record is handled and drawn again after it."""
+    if log.isEnabledFor(level):
+        with around_output():
+            log.log(level, message, *args, stacklevel=2)
