@@ -4,6 +4,7 @@ unit tests of its placement and rank logic, which need no cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -35,26 +36,66 @@ RESOURCE_RELEASE_WAIT_S = 30
 # -- the cluster --------------------------------------------------------------------------------
 
 
+WORKER_NODES = ("0", "1")
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    """Three raylets; worker node ``n`` has LOCKSTEP_TEST_NODE=n in its environment. The
-    processes of the cluster don't carry the test tag (they outlive single tests by design);
-    ``resources_released`` checks instead that every test gives back what it reserved."""
+    """Three raylets; worker node ``n`` has LOCKSTEP_TEST_NODE=n in its environment
+    (``cluster.test_nodes`` maps n to the node). The processes of the cluster don't carry the
+    test tag (they outlive single tests by design); ``resources_released`` checks instead that
+    every test gives back what it reserved, and ``cluster_restored`` that a test which removes or
+    adds nodes leaves the cluster as it found it, so every test also runs alone or in any order."""
     from ray.cluster_utils import Cluster
 
-    tag = os.environ.pop("LOCKSTEP_TEST_TAG")
-    try:
+    with untagged():
         test_cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        nodes = [test_cluster.add_node(num_cpus=NODE_CPUS, env_vars={"LOCKSTEP_TEST_NODE": str(n)}) for n in range(2)]
-        ray.init(address=test_cluster.address, log_to_driver=False)
-    finally:
-        os.environ["LOCKSTEP_TEST_TAG"] = tag
-    test_cluster.worker_nodes_list = nodes
     try:
+        test_cluster.test_nodes = {}
+        for label in WORKER_NODES:
+            add_test_node(test_cluster, label)
+        ray.init(address=test_cluster.address, log_to_driver=False)
         yield test_cluster
     finally:
         ray.shutdown()
         test_cluster.shutdown()
+
+
+@contextlib.contextmanager
+def untagged() -> Iterator[None]:
+    """Start Ray processes without the test tag that the leaked-process check looks for."""
+    tag = os.environ.pop("LOCKSTEP_TEST_TAG", None)
+    try:
+        yield
+    finally:
+        if tag is not None:
+            os.environ["LOCKSTEP_TEST_TAG"] = tag
+
+
+def add_test_node(cluster: Any, label: str) -> None:
+    """Add a worker node of NODE_CPUS CPUs with LOCKSTEP_TEST_NODE=label; returns when it is alive."""
+    with untagged():
+        cluster.test_nodes[label] = cluster.add_node(num_cpus=NODE_CPUS, env_vars={"LOCKSTEP_TEST_NODE": label})
+
+
+def remove_test_node(cluster: Any, label: str, lost: bool = False) -> None:
+    """Take worker node ``label`` out of the cluster and return once the cluster sees it gone;
+    ``lost``: kill it at once, as a machine is lost, and return without waiting."""
+    cluster.remove_node(cluster.test_nodes.pop(label), allow_graceful=not lost)
+    if not lost:
+        cluster.wait_for_nodes()
+
+
+@pytest.fixture
+def cluster_restored(cluster: Any) -> Iterator[Any]:
+    """The module's cluster, for a test that removes or adds nodes: afterwards worker nodes
+    "0" and "1", and only they, are there again."""
+    yield cluster
+    for label in sorted(set(cluster.test_nodes) - set(WORKER_NODES)):
+        remove_test_node(cluster, label)
+    for label in sorted(set(WORKER_NODES) - set(cluster.test_nodes)):
+        add_test_node(cluster, label)
+    cluster.wait_for_nodes()
 
 
 @pytest.fixture
@@ -296,8 +337,8 @@ def train_until_a_node_is_lost(config: dict[str, Any]) -> None:
 
 @ray_test
 @pytest.mark.timeout(240)
-def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster: Any, storage_path: str, tmp_path: Path) -> None:
-    """Runs last: it removes worker node 1 from the module's cluster."""
+def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster_restored: Any, storage_path: str,
+                                                                       tmp_path: Path) -> None:
     reached = tmp_path / "reached"
     driver, outcome = fit_in_background(TorchTrainer(
         train_until_a_node_is_lost, train_loop_config={"reached": str(reached)},
@@ -305,7 +346,7 @@ def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster: 
         run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
     ))
     wait_while_running(reached, driver, outcome)
-    cluster.remove_node(cluster.worker_nodes_list[1], allow_graceful=False)
+    remove_test_node(cluster_restored, "1", lost=True)
     driver.join(180)
     assert not driver.is_alive()
     result = outcome.get("result")
@@ -340,9 +381,9 @@ def grow_when_told(config: dict[str, Any]) -> None:
 
 @ray_test
 @pytest.mark.timeout(240)
-def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluster: Any, storage_path: str,
+def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluster_restored: Any, storage_path: str,
                                                                           tmp_path: Path) -> None:
-    """Runs after the node-loss test: one 2-CPU worker node is left, so 1 worker of 2 CPUs fits."""
+    remove_test_node(cluster_restored, "1")  # one 2-CPU worker node is left: 1 worker of 2 CPUs fits
     marks = {"small": str(tmp_path / "small"), "grow": str(tmp_path / "grow")}
     driver, outcome = fit_in_background(TorchTrainer(
         grow_when_told, train_loop_config=marks,
@@ -350,17 +391,13 @@ def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluste
         run_config=RunConfig(storage_path=storage_path),
     ))
     wait_while_running(Path(marks["small"]), driver, outcome)
-    tag = os.environ.pop("LOCKSTEP_TEST_TAG")
-    try:
-        cluster.add_node(num_cpus=NODE_CPUS, env_vars={"LOCKSTEP_TEST_NODE": "2"})
-    finally:
-        os.environ["LOCKSTEP_TEST_TAG"] = tag
+    add_test_node(cluster_restored, "1")
     Path(marks["grow"]).write_text("")
     driver.join(180)
     result = outcome.get("result")
     assert result is not None, outcome.get("error")
     assert [(row["step"], row["world"]) for row in result.metrics_history] == [(0, 1), (1, 1), (2, 1), (3, 2), (4, 2)]
-    assert sorted(result.metrics["nodes"]) == ["0", "2"]
+    assert sorted(result.metrics["nodes"]) == ["0", "1"]
     assert result.num_failures == 0
 
 
