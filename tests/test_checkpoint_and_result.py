@@ -219,7 +219,7 @@ def test_metrics_are_checked_and_converted() -> None:
 def test_unpicklable_objects_are_named() -> None:
     import threading
 
-    from lockstep._internal.payload import WorkerPayload, serialize_payload
+    from lockstep._internal.payload import TrainJob, serialize_payload
     from lockstep.backend import BackendConfig
 
     lock = threading.Lock()
@@ -228,6 +228,6 @@ def test_unpicklable_objects_are_named() -> None:
         with lock:
             pass
 
-    payload = WorkerPayload(train, None, BackendConfig(), False, RunStorage("/tmp/x"), "x", 0, None)
+    payload = TrainJob(train, None, BackendConfig(), False, RunStorage("/tmp/x"))
     with pytest.raises(TypeError, match="the variable 'lock' captured by the train function can't be sent"):
         serialize_payload(payload)

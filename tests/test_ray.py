@@ -21,9 +21,11 @@ import pytest
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep._internal.executors.base import GroupSpec
-from lockstep._internal.executors.ray import assign_ranks, placement_problem, rank_env, worker_bundle
+from lockstep._internal.executors.ray import assign_ranks, rank_env
+from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle
 from lockstep._internal.ray_actor import WorkerPlace
 from lockstep.torch import TorchTrainer
+from test_launch import rogue_train_func
 
 from conftest import REPO_ROOT
 
@@ -179,6 +181,13 @@ def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
     assert "rank 1" in message and "ValueError: rank 1 fails on purpose" in message
     assert f'File "{__file__}"' in message and "in fail_on_rank_1" in message
     assert "rank 0 was still running, here:" in message
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_the_driver_refuses_connections_without_the_secret(storage_path: str) -> None:
+    result = fit_on_ray(rogue_train_func, storage_path, num_workers=2, placement_strategy="SPREAD")
+    assert result.metrics["outcomes"] == ["refused", "refused"]
 
 
 @ray_test
@@ -412,7 +421,7 @@ def test_ranks_are_grouped_by_node_driver_node_first_then_by_gpu() -> None:
     places = [place("b", "1"), place("a", "3"), place("b", "0"), place("a", "2")]
     ranks = assign_ranks(places, first_node_id="a")
     assert [(rank.actor_index, rank.node_rank, rank.local_rank) for rank in ranks] == [(3, 0, 0), (1, 0, 1), (2, 1, 0), (0, 1, 1)]
-    env = rank_env(ranks, ranks[2], 29500, cpus=2, use_gpu=True)
+    env = rank_env(ranks, ranks[2], 29500, cpus=2, use_gpu=True).variables()
     assert env["RANK"] == "2" and env["LOCAL_RANK"] == "0" and env["NODE_RANK"] == "1"
     assert env["MASTER_ADDR"] == places[3].node_ip and env["MASTER_PORT"] == "29500"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["LOCKSTEP_GPU_IDS"] == "0"

@@ -132,7 +132,7 @@ class WorkerSession:
         done = self._channel.recv()
         self._next_report_index = index + 1
         if done.new_latest_checkpoint is not None:
-            self._checkpoint = done.new_latest_checkpoint
+            self._checkpoint = self.context.storage.checkpoint_of(done.new_latest_checkpoint)
 
     def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
         name = _checked_dir_name(checkpoint_dir_name, index)

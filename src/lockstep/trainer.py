@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
-import uuid
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from lockstep._internal import progress
-from lockstep._internal.controller import Controller
-from lockstep._internal.executors import GroupFactory, external, make_group_factory
-from lockstep._internal.executors.ray import is_ray_dataset
-from lockstep._internal.payload import WorkerPayload, serialize_payload
-from lockstep._internal.run_record import RunRecorder
-from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
+from lockstep._internal.driver import RunDriver
+from lockstep._internal.executors import choose_executor, is_ray_dataset
+from lockstep._internal.payload import TrainJob
+from lockstep._internal.run_names import default_run_name
+from lockstep._internal.storage import RunStorage, storage_errors
 from lockstep.backend import BackendConfig
-from lockstep.callbacks import CallbackRunner, RunInfo
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DEFAULT_STORAGE_PATH, DataConfig, RunConfig, ScalingConfig
 from lockstep.result import Result
+
+__all__ = ["DataParallelTrainer", "check_type", "default_run_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,97 +85,29 @@ class DataParallelTrainer:
             ValueError, TypeError: the job can't start (bad input, unpicklable objects); raised
                 before any worker starts.
         """
-        launch = external.launched_externally() if self.scaling_config.executor == "auto" else None
-        if launch is not None:
-            return self._fit_in_launched_processes(launch)
-        name = self.run_config.name or default_run_name(type(self).__name__)
-        storage = self._run_storage(name)
-        log_dir = storage.local_log_dir()
-        make_group = make_group_factory(
-            self.scaling_config, log_dir, self.run_config.worker_output, self._ray_datasets, self.dataset_config.should_split
-        )
-        return self._drive(storage, log_dir, make_group, self.run_config.failure_config.max_failures,
-                           lambda controller, payload: controller.run(payload))
+        executor = choose_executor(self.scaling_config, self._ray_datasets, self.dataset_config.should_split)
+        storage = self._run_storage(executor.run_name(self.run_config.name, type(self).__name__))
+        driver = RunDriver(storage, self.run_config, self.scaling_config, self.resume_from_checkpoint is not None)
+        return executor.launch(self._job(storage), driver)
 
     def _run_storage(self, name: str) -> RunStorage:
         storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
             return RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
 
-    def _drive(
-        self, storage: RunStorage, log_dir: str, make_group: GroupFactory, max_failures: int,
-        run: Callable[[Controller, bytes], Result],
-    ) -> Result:
-        """Open the run record, build the payload and the controller, and ``run`` them."""
-        scaling, storage_path = self.scaling_config, self.run_config.storage_path or DEFAULT_STORAGE_PATH
-        with storage_errors(storage_path):
-            check_storage_path(storage_path, storage)
-            recorder = RunRecorder(storage, self.run_config.checkpoint_config, scaling.max_workers, make_group.executor)
-            recorder.check_resumable()
-        build_payload = self._payload_builder(storage, recorder)
-        first_payload = build_payload(recorder.next_report_index, recorder.latest_checkpoint or self.resume_from_checkpoint)
-        with storage_errors(storage_path):
-            recorder.open()
-        logger.info("Run %s: %s workers (%s executor), results in %s", storage.name, scaling.num_workers,
-                    make_group.executor, storage.display_path)
-        progress_line = progress.ProgressLine(storage.name, scaling.max_workers) if self.run_config.verbose != 0 else None
-        run_info = RunInfo(storage.name, storage.display_path, scaling.max_workers, log_dir)
-        controller = Controller(
-            make_group, build_payload, recorder, max_failures, self.resume_from_checkpoint,
-            self.run_config.failure_config.report_timeout_s, progress_line,
-            CallbackRunner(self.run_config.callbacks, run_info),
+    def _job(self, storage: RunStorage) -> TrainJob:
+        """What every rank runs."""
+        return TrainJob(
+            train_fn=self.train_loop_per_worker,
+            train_loop_config=self.train_loop_config,
+            backend_config=self.backend_config,
+            use_gpu=self.scaling_config.use_gpu,
+            storage=storage,
+            resume_checkpoint=self.resume_from_checkpoint,
+            datasets=self._torch_datasets,
+            dataset_config=self.dataset_config,
+            metadata=self.metadata,
         )
-        try:
-            with progress.showing(progress_line):
-                return run(controller, first_payload)
-        finally:
-            storage.upload_logs(log_dir)
-
-    def _fit_in_launched_processes(self, launch: external.Launch) -> Result:
-        """Under torchrun: run the train function in this process as its rank; rank 0 also
-        drives the run (see :mod:`lockstep._internal.executors.external`)."""
-        external.check_world_size(launch, self.scaling_config)
-        if self._ray_datasets:
-            raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
-        store = external.rendezvous_store(launch)
-        name = self.run_config.name or external.shared_run_name(launch, store, type(self).__name__)
-        storage = self._run_storage(name)
-        if launch.rank != 0:
-            external.run_rank_or_raise(launch, store, self.scaling_config.use_gpu)
-            external.await_end(launch, store)
-            return Result.from_path(storage.display_path, self.run_config.storage_filesystem)
-        group = external.ExternalGroup(launch.world_size)
-        make_group = GroupFactory("external", lambda size: group, launch.world_size, launch.world_size)
-        log_dir = storage.local_log_dir()
-        return self._drive(storage, log_dir, make_group, 0,
-                           lambda controller, payload: external.drive_and_run_rank_0(launch, store, group, controller, payload,
-                                                                                   self.scaling_config.use_gpu))
-
-    def _payload_builder(self, storage: RunStorage, recorder: RunRecorder) -> Callable[[int, Checkpoint | None], bytes]:
-        def build(first_report_index: int, checkpoint: Checkpoint | None) -> bytes:
-            return serialize_payload(
-                WorkerPayload(
-                    train_fn=self.train_loop_per_worker,
-                    train_loop_config=self.train_loop_config,
-                    backend_config=self.backend_config,
-                    use_gpu=self.scaling_config.use_gpu,
-                    storage=storage,
-                    experiment_name=storage.name,
-                    first_report_index=first_report_index,
-                    checkpoint=checkpoint,
-                    used_dir_names=recorder.committed_dir_names,
-                    datasets=self._torch_datasets,
-                    dataset_config=self.dataset_config,
-                    metadata=self.metadata,
-                )
-            )
-
-        return build
-
-
-def default_run_name(trainer_name: str) -> str:
-    """``<Trainer>_<date>_<time>_<4 hex>``: sortable, and unique even for runs started in the same second."""
-    return f"{trainer_name}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{uuid.uuid4().hex[:4]}"
 
 
 def _check_train_fn(train_fn: Any) -> None:

@@ -149,8 +149,8 @@ class Controller:
     def _start_message(self) -> protocol.Start:
         """Where the ranks of a new group start: after the last report, from the latest checkpoint."""
         latest = self._latest_entry()
-        return protocol.Start(self.recorder.next_report_index, latest, self.has_resume_checkpoint and latest is None,
-                              list(self.recorder.committed_dir_names))
+        return protocol.Start(self.recorder.next_report_index, protocol.checkpoint_ref(latest),
+                              self.has_resume_checkpoint and latest is None, list(self.recorder.committed_dir_names))
 
     def _failure_context(self) -> str:
         return f" (report #{self.recorder.next_report_index} was next)"
@@ -218,7 +218,7 @@ class Controller:
         latest = self._latest_entry()
         changed = latest if latest != attempt.latest_sent else None
         attempt.latest_sent = latest
-        done = protocol.ReportDone(report.index, changed)
+        done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed))
         for rank in range(attempt.world_size):
             group.send(rank, done)
 

@@ -1,6 +1,7 @@
-"""What the driver ships to every worker: the train function and everything it needs.
+"""The job every rank runs (:class:`TrainJob`), and how the driver ships it to its workers.
 
-It is serialized once with cloudpickle (functions defined in ``__main__`` travel by value, so
+Under torchrun each process builds its own job and nothing is shipped. The local and Ray
+executors serialize it once per ``fit()`` with cloudpickle (functions defined in ``__main__`` travel by value, so
 the user's script is never re-imported in a worker) before any worker starts, so that an
 object that can't be pickled is reported to the user at once.
 
@@ -40,18 +41,22 @@ ALIGNMENT = 64
 
 
 @dataclass
-class WorkerPayload:
-    """Everything a worker needs to run its part of the job (the same for every rank)."""
+class TrainJob:
+    """What every rank runs: the same for all ranks and for every attempt of a run. (Where an
+    attempt starts, the driver says in its ``Start`` message.)
+
+    Attributes:
+        resume_checkpoint: The trainer's ``resume_from_checkpoint``: where the run starts when
+            it has no checkpoint of its own yet.
+        main_file: The user's script, so that tracebacks show its path.
+    """
 
     train_fn: Callable[..., Any]
     train_loop_config: dict[str, Any] | None
     backend_config: BackendConfig
     use_gpu: bool
     storage: RunStorage
-    experiment_name: str
-    first_report_index: int
-    checkpoint: Checkpoint | None
-    used_dir_names: list[str] = field(default_factory=list)
+    resume_checkpoint: Checkpoint | None = None
     datasets: dict[str, Any] = field(default_factory=dict)
     dataset_config: DataConfig = field(default_factory=DataConfig)
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -65,7 +70,7 @@ def _main_file() -> str | None:
     return os.path.abspath(path) if path else None
 
 
-def serialize_payload(payload: WorkerPayload) -> bytes:
+def serialize_payload(payload: TrainJob) -> bytes:
     """The payload in the layout above, naming the offending object if something can't be pickled.
 
     Raises:
@@ -137,7 +142,7 @@ def _laid_out(pickled: bytes, tensors: list[Any]) -> bytes:
 _loading: tuple[Any, tuple[int, ...]] | None = None
 
 
-def deserialize_payload(buffer: Any) -> WorkerPayload:
+def deserialize_payload(buffer: Any) -> TrainJob:
     """The payload from ``buffer`` (bytes, or a writable copy-on-write map of the payload file,
     whose tensors are then used in place)."""
     global _loading
@@ -168,7 +173,7 @@ def _shared_tensor(index: int, dtype: Any, shape: tuple[int, ...], requires_grad
     return flat.view(dtype).reshape(shape).requires_grad_(requires_grad)
 
 
-def _find_unpicklable(payload: WorkerPayload) -> str:
+def _find_unpicklable(payload: TrainJob) -> str:
     """A human name for the first part of the payload that fails to pickle."""
     candidates: list[tuple[str, Any]] = []
     candidates += [(f"train_loop_config[{key!r}]", value) for key, value in (payload.train_loop_config or {}).items()]

@@ -1,27 +1,40 @@
 """Messages between the driver and its workers, and the authenticated socket that carries them.
 
-Every executor (local processes, Ray actors, …) uses this same channel: a worker connects
-back to the driver, says who it is, and then talks in the messages below. (How the payload
-reaches a worker is the executor's business.)
+Every executor (local processes, Ray actors, torchrun's processes) uses this same channel: a
+worker connects back to the driver, proves it knows the run's secret, says who it is
+(``Hello``), is told where the attempt starts (``Start``), and then talks in the messages below.
+(How the train function reaches a worker is the executor's business.)
 The driver answers each ``Report`` only when every rank has sent it, which makes ``report()``
 a barrier without any polling.
+
+Messages travel as JSON, never as pickles: reading one can build nothing but the dataclasses
+listed in ``MESSAGE_TYPES``, so a peer that got hold of the secret still can't run code on the
+other end. (Under torchrun the secret travels through torch's rendezvous store, which has no
+authentication of its own.)
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
 import os
 import secrets
 import socket
+import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from lockstep._internal.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
 
 ENV_DRIVER_ADDRESS = "LOCKSTEP_DRIVER_ADDRESS"
 ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
 ENV_DRIVER_PID = "LOCKSTEP_DRIVER_PID"
+#: How long a connecting peer has to prove it knows the secret and say hello.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 # -- worker -> driver ----------------------------------------------------------------------------
@@ -101,12 +114,92 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Start:
+    """The driver's answer to ``Hello``: where this attempt starts.
+
+    Attributes:
+        first_report_index: The index of the rank's first ``report()``.
+        checkpoint: The run's latest committed checkpoint (its record entry), if it has one.
+        from_resume_checkpoint: With no checkpoint of the run's own, whether to start from the
+            trainer's ``resume_from_checkpoint``.
+        used_dir_names: Checkpoint folder names the run has used already.
+    """
+
+    first_report_index: int
+    checkpoint: CheckpointEntry | None = None
+    from_resume_checkpoint: bool = False
+    used_dir_names: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class ReportDone:
     """Every rank has made report ``index`` and it is recorded. ``new_latest_checkpoint`` is
-    the newest committed checkpoint when it changed since the previous ReportDone, else None."""
+    the newest committed checkpoint's record entry when it changed since the previous
+    ReportDone, else None."""
 
     index: int
-    new_latest_checkpoint: Any = None
+    new_latest_checkpoint: CheckpointEntry | None = None
+
+
+def checkpoint_ref(entry: CheckpointEntry | None) -> CheckpointEntry | None:
+    """A record entry as ranks are told of it: what names the checkpoint, without its metrics."""
+    return dataclasses.replace(entry, metrics={}) if entry is not None else None
+
+
+# -- encoding ------------------------------------------------------------------------------------
+
+MESSAGE_TYPES: dict[str, type] = {
+    kind.__name__: kind
+    for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Output, Finished, Failed, Start, ReportDone,
+                 WorkerFailure, CheckpointEntry)
+}
+TYPE_KEY = "~type"
+BYTES_KEY = "~bytes"
+
+
+def encode(message: Any) -> bytes:
+    """A message as JSON bytes."""
+    return json.dumps(_plain(message), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    """The message that :func:`encode` made.
+
+    Raises:
+        ValueError: ``data`` is not such a message.
+    """
+    return _rebuilt(json.loads(data))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and type(value).__name__ in MESSAGE_TYPES:
+        fields = {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
+        return {TYPE_KEY: type(value).__name__, **fields}
+    if isinstance(value, bytes):
+        return {BYTES_KEY: base64.b64encode(value).decode()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"a {type(value).__name__} can't travel on lockstep's channel")
+
+
+def _rebuilt(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_rebuilt(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if BYTES_KEY in value:
+        return base64.b64decode(value[BYTES_KEY])
+    fields = {key: _rebuilt(item) for key, item in value.items() if key != TYPE_KEY}
+    if TYPE_KEY not in value:
+        return fields
+    kind = MESSAGE_TYPES.get(value[TYPE_KEY])
+    if kind is None:
+        raise ValueError(f"unknown message type {value[TYPE_KEY]!r} on lockstep's channel")
+    return kind(**fields)
 
 
 # -- the channel ---------------------------------------------------------------------------------
@@ -124,14 +217,30 @@ class DriverListener:
         """Readable when a worker is waiting to be accepted (for ``multiprocessing.connection.wait``)."""
         return self._socket.fileno()
 
-    def accept(self) -> Connection:
-        """Accept one waiting worker and authenticate it both ways."""
+    def accept(self) -> tuple[Connection, Hello]:
+        """Accept one waiting worker, authenticate it both ways and read its Hello. A peer gets
+        ``HANDSHAKE_TIMEOUT_S`` for all of that, so a silent one can't stall the driver.
+
+        Raises:
+            OSError, EOFError, multiprocessing.AuthenticationError, ValueError: the peer is not
+                one of this run's workers (wrong or missing secret, not a Hello, too slow).
+        """
         client, _ = self._socket.accept()
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _set_receive_timeout(client, HANDSHAKE_TIMEOUT_S)
         connection = Connection(client.detach())
-        deliver_challenge(connection, self.authkey)
-        answer_challenge(connection, self.authkey)
-        return connection
+        try:
+            deliver_challenge(connection, self.authkey)
+            answer_challenge(connection, self.authkey)
+            hello = decode(connection.recv_bytes())
+            if not isinstance(hello, Hello):
+                raise ValueError(f"expected a Hello, got {type(hello).__name__}")
+        except BaseException:
+            connection.close()
+            raise
+        with socket.socket(fileno=os.dup(connection.fileno())) as view:
+            _set_receive_timeout(view, 0.0)
+        return connection, hello
 
     def worker_env(self) -> dict[str, str]:
         """The environment variables a worker needs to connect back."""
@@ -153,12 +262,13 @@ class WorkerChannel:
 
     def send(self, message: Any) -> None:
         """Send one message to the driver."""
+        data = encode(message)
         with self._send_lock:
-            self._connection.send(message)
+            self._connection.send_bytes(data)
 
     def recv(self) -> Any:
         """Wait for the driver's next message."""
-        return self._connection.recv()
+        return decode(self._connection.recv_bytes())
 
     def close(self) -> None:
         """Close the channel: the driver reads everything sent before, then the end of stream."""
@@ -177,3 +287,9 @@ def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Wo
     deliver_challenge(connection, authkey)
     return WorkerChannel(connection)
 
+
+def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make blocking reads on ``sock``'s descriptor fail after ``seconds`` (0: never). Unlike
+    ``settimeout``, this keeps the descriptor blocking, as ``Connection`` needs."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep._internal import protocol
+from lockstep._internal.payload import deserialize_payload
+from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.worker import run_to_outcome
 
 #: Frames of these files are the actor's plumbing, not the user's code.
@@ -57,7 +59,7 @@ class RayWorker:
         """Run this rank to its end; return its exit code (0 when the train function returned).
 
         Args:
-            payload: The pickled :class:`~lockstep._internal.payload.WorkerPayload`.
+            payload: The pickled :class:`~lockstep._internal.payload.TrainJob`.
             env: This rank's environment (rank variables, rendezvous, driver address, GPUs).
             datasets: This rank's shards of the Ray datasets.
             python_path: The driver's own import path entries; those that exist here are added.
@@ -65,11 +67,11 @@ class RayWorker:
         os.environ.update(env)
         sys.path[:0] = [entry for entry in python_path if os.path.isdir(entry) and entry not in sys.path]
         self._train_thread = threading.get_ident()
-        rank = int(env["RANK"])
+        rank_env = RankEnv.from_environ(env)
         channel = protocol.connect_to_driver(env)
-        channel.send(protocol.Hello(rank, os.getpid()))
-        with ForwardedOutput(channel, rank):
-            outcome, exit_code = run_to_outcome(rank, channel, lambda: payload, datasets)
+        channel.send(protocol.Hello(rank_env.world_rank, os.getpid()))
+        with ForwardedOutput(channel, rank_env.world_rank):
+            outcome, exit_code = run_to_outcome(rank_env, channel, lambda: deserialize_payload(payload), datasets)
         try:
             channel.send(outcome)
         finally:

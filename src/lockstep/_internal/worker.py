@@ -1,7 +1,7 @@
-"""The worker process: ``python -m lockstep._internal.worker``.
+"""The worker runtime, and the worker process: ``python -m lockstep._internal.worker``.
 
-It connects back to the driver, loads its payload, joins the process group, runs the train
-function under a :class:`~lockstep.context.WorkerSession`, reports the outcome and exits.
+A rank connects back to the driver, loads its job, learns where the attempt starts, joins the
+process group, runs the train function under a :class:`~lockstep.context.WorkerSession`, reports the outcome and exits.
 It dies with the driver: if the driver is killed, the kernel kills this process too.
 """
 
@@ -19,11 +19,14 @@ import traceback
 import types
 from typing import TYPE_CHECKING, Any, Callable
 
+from lockstep._internal.rank_env import RankEnv
+
 if TYPE_CHECKING:
-    from lockstep._internal.protocol import WorkerChannel
+    from lockstep._internal.payload import TrainJob
+    from lockstep._internal.protocol import Start, WorkerChannel
+    from lockstep.checkpoint import Checkpoint
 
 ENV_PAYLOAD_FD = "LOCKSTEP_PAYLOAD_FD"
-ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
 ENV_STACK_FILE = "LOCKSTEP_STACK_FILE"
 PR_SET_PDEATHSIG = 1
 
@@ -61,65 +64,94 @@ def main() -> None:
     answer_stack_requests()
     from lockstep._internal import protocol
 
-    rank = int(os.environ["RANK"])
+    rank_env = RankEnv.from_environ()
     channel = protocol.connect_to_driver()
-    channel.send(protocol.Hello(rank, os.getpid()))
-    outcome, exit_code = run_to_outcome(rank, channel, lambda: _read_payload(int(os.environ[ENV_PAYLOAD_FD])))
+    channel.send(protocol.Hello(rank_env.world_rank, os.getpid()))
+    outcome, exit_code = run_to_outcome(rank_env, channel, lambda: _job_from(_read_payload(int(os.environ[ENV_PAYLOAD_FD]))))
     _send_and_exit(channel, outcome, exit_code)
 
 
+def _job_from(buffer: Any) -> TrainJob:
+    from lockstep._internal.payload import deserialize_payload
+
+    return deserialize_payload(buffer)
+
+
 def run_to_outcome(
-    rank: int, channel: WorkerChannel, read_payload: Callable[[], Any], extra_datasets: dict[str, Any] | None = None
+    rank_env: RankEnv, channel: WorkerChannel, load_job: Callable[[], TrainJob],
+    extra_datasets: dict[str, Any] | None = None, keep_return_value: Callable[[Any], None] | None = None,
 ) -> tuple[Any, int]:
-    """Run the rank and say how it ended: a Finished or Failed message, and an exit code."""
+    """Run the rank and say how it ended: a Finished or Failed message, and an exit code.
+
+    Rank 0's return value travels pickled in its Finished message, unless ``keep_return_value``
+    takes it (when the driver is this very process, nothing needs to be pickled).
+    """
     from lockstep._internal import protocol
 
+    rank = rank_env.world_rank
     try:
-        return protocol.Finished(rank, run_rank(rank, channel, read_payload, extra_datasets)), 0
+        value = run_rank(rank_env, channel, load_job, extra_datasets)
+        if rank != 0:
+            return protocol.Finished(rank, None), 0
+        if keep_return_value is not None:
+            keep_return_value(value)
+            return protocol.Finished(rank, None), 0
+        return protocol.Finished(rank, _pickled_return_value(value)), 0
     except BaseException as error:  # noqa: BLE001 - every failure must reach the driver
         return protocol.Failed(describe_failure(rank, error)), 1
 
 
 def run_rank(
-    rank: int, channel: WorkerChannel, read_payload: Callable[[], Any], extra_datasets: dict[str, Any] | None = None
-) -> bytes | None:
-    """Load the payload, run the train function, and return rank 0's pickled return value.
+    rank_env: RankEnv, channel: WorkerChannel, load_job: Callable[[], TrainJob],
+    extra_datasets: dict[str, Any] | None = None,
+) -> Any:
+    """Load the job, learn where this attempt starts, run the train function, and return
+    what it returned.
 
     ``extra_datasets`` are shards the executor made for this rank (Ray Data's streaming splits).
     """
     import torch
 
-    from lockstep._internal.payload import deserialize_payload
+    from lockstep._internal import protocol
     from lockstep.context import TrainContext, WorkerSession, set_session
     from lockstep.data import shard_datasets
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    payload = deserialize_payload(read_payload())
-    restore_source_file(payload.train_fn, payload.main_file)
+    torch.set_num_threads(rank_env.threads)
+    job = load_job()
+    restore_source_file(job.train_fn, job.main_file)
+    start = channel.recv()
+    if not isinstance(start, protocol.Start):
+        raise RuntimeError(f"the driver sent {type(start).__name__} where a Start was due (a lockstep bug)")
     context = TrainContext(
-        world_rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ["LOCAL_RANK"]),
-        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
-        node_rank=int(os.environ["NODE_RANK"]),
-        experiment_name=payload.experiment_name,
-        storage=payload.storage,
-        metadata=payload.metadata,
-        gpu_ids=tuple(item for item in os.environ.get(ENV_GPU_IDS, "").split(",") if item),
+        world_rank=rank_env.world_rank,
+        world_size=rank_env.world_size,
+        local_rank=rank_env.local_rank,
+        local_world_size=rank_env.local_world_size,
+        node_rank=rank_env.node_rank,
+        experiment_name=job.storage.name,
+        storage=job.storage,
+        metadata=job.metadata,
+        gpu_ids=rank_env.gpu_ids,
     )
-    datasets = shard_datasets(payload.datasets, rank, context.world_size, payload.dataset_config.should_split)
+    datasets = shard_datasets(job.datasets, context.world_rank, context.world_size, job.dataset_config.should_split)
     datasets.update(extra_datasets or {})
-    session = WorkerSession(
-        context, channel, payload.first_report_index, payload.checkpoint, datasets, payload.used_dir_names
-    )
+    session = WorkerSession(context, channel, start.first_report_index, starting_checkpoint(start, job), datasets,
+                            start.used_dir_names)
     set_session(session)
-    payload.backend_config.on_worker_start(context, payload.use_gpu)
+    job.backend_config.on_worker_start(context, job.use_gpu)
     try:
-        value = call_train_fn(payload.train_fn, payload.train_loop_config)
+        value = call_train_fn(job.train_fn, job.train_loop_config)
         session.wait_for_uploads()
     finally:
-        payload.backend_config.on_worker_shutdown()
-    return _pickled_return_value(value) if rank == 0 else None
+        job.backend_config.on_worker_shutdown()
+    return value
+
+
+def starting_checkpoint(start: Start, job: TrainJob) -> Checkpoint | None:
+    """The checkpoint ``get_checkpoint()`` returns at the start of this attempt."""
+    if start.checkpoint is not None:
+        return job.storage.checkpoint_of(start.checkpoint)
+    return job.resume_checkpoint if start.from_resume_checkpoint else None
 
 
 def _read_payload(inherited_fd: int) -> mmap.mmap:

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from lockstep._internal.rank_env import ENV_STORE_PREFIX
 from lockstep.backend import BackendConfig
 from lockstep.context import TrainContext
 
@@ -18,9 +19,6 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl", "mpi", "xccl", "ucc")
 INIT_METHODS = ("env", "tcp")
-
-
-ENV_STORE_PREFIX = "LOCKSTEP_STORE_PREFIX"
 
 
 def _prefixed_store(timeout: datetime.timedelta) -> dist.Store | None:

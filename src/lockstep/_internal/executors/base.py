@@ -1,11 +1,23 @@
-"""The one interface every executor implements: start a group of workers, hand the
-controller what they say, answer them, and stop them."""
+"""What every executor implements: an :class:`Executor` (how a run's ranks start and how the
+run is driven from this process) and its :class:`WorkerGroup` (start a group of ranks, hand the
+controller what they say, answer them, stop them)."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+import cloudpickle
+
+from lockstep._internal.run_names import default_run_name
+from lockstep.errors import TrainingFailedError
+
+if TYPE_CHECKING:
+    from lockstep._internal.driver import RunDriver
+    from lockstep._internal.payload import TrainJob
+    from lockstep._internal.protocol import Finished
+    from lockstep.result import Result
 
 
 @dataclass(frozen=True)
@@ -42,8 +54,8 @@ class WorkerGroup(abc.ABC):
     """
 
     @abc.abstractmethod
-    def start(self, payload: bytes) -> None:
-        """Launch every worker (in parallel) with the serialized payload."""
+    def start(self) -> None:
+        """Launch every worker (in parallel)."""
 
     @abc.abstractmethod
     def wait_events(self, timeout: float | None) -> list[Any]:
@@ -61,6 +73,79 @@ class WorkerGroup(abc.ABC):
         """The current Python stack of each rank in ``ranks`` (those that can tell)."""
         return {}
 
+    def return_value(self, finished: Finished) -> Any:
+        """Rank 0's return value, from its Finished message (pickled by a worker this group
+        started and authenticated)."""
+        return cloudpickle.loads(finished.return_value) if finished.return_value is not None else None
+
     @abc.abstractmethod
     def stop(self) -> None:
         """Kill every worker and whatever it started; idempotent."""
+
+
+@dataclass(frozen=True)
+class GroupFactory:
+    """Starts one worker group per attempt with the executor named ``executor``: of
+    ``max_workers`` workers, or for an elastic run as many as ``capacity()`` (how many workers
+    the resources hold now) allows, at least ``min_workers``."""
+
+    executor: str
+    start_group: Callable[[int], WorkerGroup]
+    min_workers: int
+    max_workers: int
+    capacity: Callable[[], int] | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the group's size follows the resources."""
+        return self.min_workers != self.max_workers and self.capacity is not None
+
+    def size_now(self) -> int:
+        """The size of the next group.
+
+        Raises:
+            TrainingFailedError: an elastic run's resources hold fewer than ``min_workers``.
+        """
+        if not self.elastic:
+            return self.max_workers
+        fits = min(self.max_workers, self._capacity())
+        if fits < self.min_workers:
+            raise TrainingFailedError(
+                f"The resources hold {fits} worker(s) now, fewer than the {self.min_workers} that "
+                f"ScalingConfig(num_workers=({self.min_workers}, {self.max_workers})) needs at least."
+            )
+        return fits
+
+    def can_grow(self, current: int) -> bool:
+        """Whether an elastic run of ``current`` workers could have more now."""
+        return self.elastic and current < self.max_workers and min(self.max_workers, self._capacity()) > current
+
+    def _capacity(self) -> int:
+        assert self.capacity is not None
+        return self.capacity()
+
+    def __call__(self, size: int) -> WorkerGroup:
+        return self.start_group(size)
+
+
+class Executor(abc.ABC):
+    """How a run's ranks start (local processes, Ray actors, or processes a launcher such as
+    torchrun started) and how the run is driven from this process. ``fit()`` picks one with
+    :func:`lockstep._internal.executors.choose_executor`, then calls :meth:`run_name` and
+    :meth:`launch`."""
+
+    #: The executor's name, as the run record keeps it.
+    name: str
+
+    def run_name(self, configured: str | None, trainer_name: str) -> str:
+        """The run's name: ``RunConfig.name``, else a new default one."""
+        return configured or default_run_name(trainer_name)
+
+    @abc.abstractmethod
+    def launch(self, job: TrainJob, driver: RunDriver) -> Result:
+        """Run ``job`` on every rank until the run ends, and return its Result.
+
+        Raises:
+            TrainingFailedError: the run failed.
+            ValueError, TypeError: the job can't start (raised before any rank starts).
+        """

@@ -1,15 +1,18 @@
 """The driver's end of the workers' channels, the same for every executor: a listener that
-accepts ranks as they connect, and one authenticated connection per rank."""
+accepts ranks as they connect, one authenticated connection per rank, and the part of a worker
+group that only talks over them (:class:`ChannelGroup`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lockstep._internal import protocol
+from lockstep._internal.executors.base import WorkerGroup
+from lockstep._internal.worker_output import ConsoleMode, OutputRelay
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +46,9 @@ class WorkerConnections:
 
     def _accept(self) -> list[Any]:
         try:
-            connection = self.listener.accept()
-            hello = connection.recv()
-        except (OSError, EOFError, AuthenticationError) as error:
-            logger.warning("refused a connection that is not one of this run's workers: %s", error)
+            connection, hello = self.listener.accept()
+        except (OSError, EOFError, AuthenticationError, ValueError, TypeError) as error:
+            logger.warning("refused a connection that is not one of this run's workers: %s", error or type(error).__name__)
             return []
         self._by_rank[hello.rank] = connection
         return [hello]
@@ -56,8 +58,8 @@ class WorkerConnections:
         messages: list[Any] = []
         try:
             while connection.poll():
-                messages.append(connection.recv())
-        except (EOFError, OSError):
+                messages.append(protocol.decode(connection.recv_bytes()))
+        except (EOFError, OSError, ValueError):
             self._forget(connection)
         return messages
 
@@ -86,7 +88,7 @@ class WorkerConnections:
         if connection is None:
             return
         try:
-            connection.send(message)
+            connection.send_bytes(protocol.encode(message))
         except OSError:
             self._forget(connection)
 
@@ -96,3 +98,52 @@ class WorkerConnections:
             connection.close()
         self._by_rank.clear()
         self.listener.close()
+
+
+class ChannelGroup(WorkerGroup):
+    """The part of a worker group that talks to its ranks: their channels (listening on
+    ``host``) and, with a ``log_dir``, the relay of their output to log files and the console."""
+
+    def __init__(self, host: str, log_dir: str | None = None, console: ConsoleMode = "rank0") -> None:
+        self._channels = WorkerConnections(host)
+        self._output = OutputRelay(log_dir, console) if log_dir else None
+
+    def _wait(self, others: list[Any], timeout: float | None) -> tuple[list[Any], list[Any]]:
+        """Wait on the channels and ``others`` together; return the ranks' messages (their
+        output already relayed) and which of ``others`` are ready."""
+        events: list[Any] = []
+        ready_others: list[Any] = []
+        for ready in wait([*self._channels.waitables(), *others], timeout):
+            if self._channels.owns(ready):
+                events += self._channels.read(ready)
+            else:
+                ready_others.append(ready)
+        return self._relayed(events), ready_others
+
+    def _relayed(self, events: list[Any]) -> list[Any]:
+        """Hand the ranks' Output messages to the relay; return the other events."""
+        others = []
+        for event in events:
+            if not isinstance(event, protocol.Output):
+                others.append(event)
+            elif self._output is not None:
+                self._output.write(event.rank, event.data, event.is_stderr)
+        return others
+
+    @property
+    def listener(self) -> protocol.DriverListener:
+        """Where the ranks connect, and the secret they must know."""
+        return self._channels.listener
+
+    def send(self, rank: int, message: Any) -> None:
+        """Send a message to a rank (ignored if that rank is already gone)."""
+        self._channels.send(rank, message)
+
+    def output_tail(self, rank: int) -> str:
+        """The last lines ``rank`` wrote to stderr, and where its full log is."""
+        return self._output.tail_with_log_path(rank) if self._output is not None else ""
+
+    def _close_channels(self) -> None:
+        self._channels.close()
+        if self._output is not None:
+            self._output.close()

@@ -1,33 +1,48 @@
-"""The external executor: the processes were started by torchrun (or a launcher that sets the same
-variables), and ``fit()`` runs the train function in each of them, as its rank.
+"""The external executor: the processes were started by torchrun (or a launcher that sets the
+same variables), and each one runs the train function it built itself, as its rank: a value
+its script computed at module level (its ``LOCAL_RANK``, its device, an open file) is its own.
 
-Every rank runs the usual worker runtime in its own main thread. Rank 0 also plays the driver:
-a thread of it runs the controller, which the ranks (rank 0 included) reach over the usual
-channel. The ranks find that channel, and the run's payload, through the rendezvous store that
-torch.distributed uses anyway (torchrun's, or one that rank 0 opens on MASTER_ADDR:MASTER_PORT).
-Restarts are torchrun's business (``--max-restarts``): lockstep's run name is derived from
-torchrun's run id, so a restarted group continues the same run from its latest checkpoint.
+Rank 0 also drives the run: a thread of it runs the controller, which every rank (rank 0
+included) reaches over the usual channel. Only what rank 0 decides crosses between ranks:
+
+- through the rendezvous store (torchrun's, or one rank 0 opens on MASTER_ADDR:MASTER_PORT):
+  the default run name, the channel's address and secret, and how the run ended — plain
+  strings;
+- over the channel (JSON messages, see :mod:`lockstep._internal.protocol`): where the attempt
+  starts (first report index, checkpoint) and the report barrier.
+
+No pickle travels either way, so a peer that reaches the store learns how to connect but can't
+run code in any rank. Restarts are torchrun's business (``--max-restarts``): the run name is
+derived from torchrun's run id, so a restarted group continues the same run from its latest
+checkpoint.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
-from multiprocessing.connection import wait
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
 from lockstep._internal import protocol
-from lockstep._internal.executors.base import WorkerExited, WorkerGroup
-from lockstep._internal.executors.channels import WorkerConnections
-from lockstep._internal.worker import ENV_GPU_IDS, run_to_outcome
+from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
+from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.rank_env import RankEnv
+from lockstep._internal.run_names import default_run_name
+from lockstep._internal.worker import run_to_outcome
 from lockstep.errors import TrainingFailedError
+
+if TYPE_CHECKING:
+    from lockstep._internal.driver import RunDriver
+    from lockstep._internal.payload import TrainJob
+    from lockstep.config import ScalingConfig
+    from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 STORE_WAIT = datetime.timedelta(hours=24)
 
 
@@ -35,28 +50,122 @@ STORE_WAIT = datetime.timedelta(hours=24)
 class Launch:
     """This process's place in the group its launcher started."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
+    rank_env: RankEnv
     run_id: str
     restart: int
 
+    @classmethod
+    def from_environ(cls) -> Launch:
+        """The launch the launcher's variables describe."""
+        return cls(RankEnv.from_environ(os.environ), os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-def launched_externally() -> Launch | None:
-    """The launch variables when torchrun (or alike) started this process, else None. A lockstep
-    worker (which has the same variables) is not an external launch."""
-    if protocol.ENV_DRIVER_ADDRESS in os.environ or not all(name in os.environ for name in LAUNCHER_VARIABLES):
-        return None
-    return Launch(
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ["LOCAL_RANK"]),
-        master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-    )
+    @property
+    def rank(self) -> int:
+        """This process's world rank."""
+        return self.rank_env.world_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes the launcher started."""
+        return self.rank_env.world_size
+
+    def key(self, name: str) -> str:
+        """A store key of this attempt of the launcher's run."""
+        return f"lockstep/{self.run_id}/{self.restart}/{name}"
 
 
-def check_world_size(launch: Launch, scaling: Any) -> None:
+class ExternalExecutor(Executor):
+    """The processes a launcher started; rank 0 drives the run."""
+
+    name = "external"
+
+    def __init__(self, launch: Launch, use_gpu: bool) -> None:
+        self.launch_info = launch
+        self.use_gpu = use_gpu
+        self._store: Any = None
+
+    @classmethod
+    def from_environ(cls, scaling: ScalingConfig, ray_datasets: Any) -> ExternalExecutor:
+        """The executor for this launched process.
+
+        Raises:
+            ValueError: ``scaling`` doesn't allow the launcher's world size, or Ray Datasets
+                were passed (they need the Ray executor).
+        """
+        launch = Launch.from_environ()
+        check_world_size(launch, scaling)
+        if ray_datasets:
+            raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
+        return cls(launch, scaling.use_gpu)
+
+    @property
+    def store(self) -> Any:
+        """The rendezvous store every rank reaches (opened on first use)."""
+        if self._store is None:
+            self._store = rendezvous_store(self.launch_info)
+        return self._store
+
+    def run_name(self, configured: str | None, trainer_name: str) -> str:
+        """``RunConfig.name``, else one name for every rank (see :func:`shared_run_name`)."""
+        return configured or shared_run_name(self.launch_info, self.store, trainer_name)
+
+    def launch(self, job: TrainJob, driver: RunDriver) -> Result:
+        """Run this process's rank; on rank 0 also drive the run. Every rank returns the
+        run's Result.
+
+        Raises:
+            TrainingFailedError: this rank's train function failed, or (as rank 0 says) the run.
+        """
+        if self.launch_info.rank == 0:
+            return self._drive_and_run_rank_0(job, driver)
+        outcome, exit_code = self._run_rank(job)
+        if exit_code != 0:
+            raise TrainingFailedError.from_failures([outcome.failure])
+        await_end(self.launch_info, self.store)
+        from lockstep.result import Result
+
+        return Result.from_path(job.storage.run_path, job.storage.filesystem)
+
+    def _drive_and_run_rank_0(self, job: TrainJob, driver: RunDriver) -> Result:
+        size = self.launch_info.world_size
+        group = ExternalGroup(size)
+        try:
+            controller = driver.prepare(GroupFactory(self.name, lambda _: group, size, size), restarts=False)
+        except BaseException as error:
+            group.stop()
+            publish_channel(self.launch_info, self.store, error=f"{type(error).__name__}: {error}")
+            raise
+        publish_channel(self.launch_info, self.store, group=group)
+        thread = ControllerThread(lambda: driver.drive(controller))
+        thread.start()
+        self._run_rank(job, group.keep_return_value)
+        thread.join()
+        announce_end(self.launch_info, self.store, thread.error)
+        if thread.error is not None:
+            raise thread.error
+        return thread.result
+
+    def _run_rank(self, job: TrainJob, keep_return_value: Callable[[Any], None] | None = None) -> tuple[Any, int]:
+        """Connect to rank 0's channel and run this rank's own job here; return its outcome."""
+        launch = self.launch_info
+        channel_env = await_channel(launch, self.store)
+        rank_env = replace(launch.rank_env, store_is_hosted=True, store_prefix=launch.key("pg"),
+                           gpu_ids=(str(launch.rank_env.local_rank),) if self.use_gpu else ())
+        os.environ.update(rank_env.variables())
+        channel = protocol.connect_to_driver(channel_env)
+        channel.send(protocol.Hello(launch.rank, os.getpid()))
+        outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
+        try:
+            channel.send(outcome)
+        except OSError:
+            pass
+        finally:
+            channel.close()
+        return outcome, exit_code
+
+
+def check_world_size(launch: Launch, scaling: ScalingConfig) -> None:
     """The group the launcher started must be one the ScalingConfig allows.
 
     Raises:
@@ -71,6 +180,62 @@ def check_world_size(launch: Launch, scaling: Any) -> None:
         )
 
 
+class ExternalGroup(ChannelGroup):
+    """The ranks the launcher started, as rank 0's controller sees them: it starts and stops
+    nothing; a rank whose channel closes has ended. Rank 0's return value is handed over in
+    this process, never read from the network."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__("0.0.0.0")
+        self.world_size = world_size
+        self._seen: set[int] = set()
+        self._ended: set[int] = set()
+        self._return_value: Any = None
+
+    def start(self) -> None:
+        """Nothing to start: the ranks are already running."""
+
+    def wait_events(self, timeout: float | None) -> list[Any]:
+        """What the ranks sent; a WorkerExited for each rank whose channel has closed."""
+        events, _ = self._wait([], timeout)
+        self._seen |= {event.rank for event in events if isinstance(event, protocol.Hello)}
+        for rank in sorted(self._seen - self._ended - self._channels.connected_ranks()):
+            self._ended.add(rank)
+            events.append(WorkerExited(rank, 0, "its process closed its channel to rank 0 (it exited or crashed)"))
+        return events
+
+    def keep_return_value(self, value: Any) -> None:
+        """Rank 0's train function returned ``value`` (called in this process)."""
+        self._return_value = value
+
+    def return_value(self, finished: protocol.Finished) -> Any:
+        """Rank 0's return value as this process kept it."""
+        return self._return_value
+
+    def stop(self) -> None:
+        """Close the channels: ranks waiting in report() then fail."""
+        self._close_channels()
+
+
+class ControllerThread(threading.Thread):
+    """Drives the run on rank 0, beside its train function."""
+
+    def __init__(self, drive: Callable[[], Result]) -> None:
+        super().__init__(daemon=True, name="lockstep-controller")
+        self.drive = drive
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.drive()
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            self.error = error
+
+
+# -- what crosses the store -----------------------------------------------------------------------
+
+
 def rendezvous_store(launch: Launch) -> Any:
     """The store every rank can reach: torchrun's agent store, else one rank 0 opens (which
     torch.distributed then joins instead of opening its own)."""
@@ -78,98 +243,12 @@ def rendezvous_store(launch: Launch) -> Any:
 
     uses_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = TCPStore(
-        launch.master_addr, launch.master_port, world_size=None, is_master=launch.rank == 0 and not uses_agent_store,
-        timeout=datetime.timedelta(seconds=300), wait_for_workers=False,
+        launch.rank_env.master_addr, launch.rank_env.master_port, world_size=None,
+        is_master=launch.rank == 0 and not uses_agent_store, timeout=datetime.timedelta(seconds=300),
+        wait_for_workers=False,
     )
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return store
-
-
-def store_key(launch: Launch, name: str) -> str:
-    return f"lockstep/{launch.run_id}/{launch.restart}/{name}"
-
-
-def publish_host(launch: Launch) -> str:
-    """The address other ranks use to reach rank 0's listener."""
-    return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.master_addr
-
-
-class ExternalGroup(WorkerGroup):
-    """The ranks torchrun started, as rank 0's controller sees them: it starts and stops nothing;
-    a rank whose channel closes has ended."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.channels = WorkerConnections("0.0.0.0")
-        self._seen: set[int] = set()
-        self._ended: set[int] = set()
-
-    def start(self, payload: bytes) -> None:
-        """Nothing to start: the ranks are already running."""
-
-    def wait_events(self, timeout: float | None) -> list[Any]:
-        """What the ranks sent; a WorkerExited for each rank whose channel has closed."""
-        events: list[Any] = []
-        for ready in wait(self.channels.waitables(), timeout):
-            events += self.channels.read(ready)
-        self._seen |= {event.rank for event in events if isinstance(event, protocol.Hello)}
-        for rank in sorted(self._seen - self._ended - self.channels.connected_ranks()):
-            self._ended.add(rank)
-            events.append(WorkerExited(rank, 0, "its process closed its channel to rank 0 (it exited or crashed)"))
-        return events
-
-    def send(self, rank: int, message: Any) -> None:
-        self.channels.send(rank, message)
-
-    def stop(self) -> None:
-        """Close the channels: ranks waiting in report() then fail."""
-        self.channels.close()
-
-
-def run_rank_here(launch: Launch, store: Any, use_gpu: bool) -> tuple[Any, int]:
-    """Connect to rank 0's channel and run this rank (in this process); return its outcome."""
-    address = store.get(store_key(launch, "driver")).decode()
-    authkey = store.get(store_key(launch, "authkey")).decode()
-    payload = store.get(store_key(launch, "payload"))
-    if use_gpu:
-        os.environ[ENV_GPU_IDS] = str(launch.local_rank)
-    env = {protocol.ENV_DRIVER_ADDRESS: address, protocol.ENV_AUTHKEY: authkey}
-    os.environ.update(NODE_RANK=os.environ.get("GROUP_RANK", "0"), LOCKSTEP_STORE_PREFIX=store_key(launch, "pg"))
-    channel = protocol.connect_to_driver(env)
-    channel.send(protocol.Hello(launch.rank, os.getpid()))
-    outcome, exit_code = run_to_outcome(launch.rank, channel, lambda: payload)
-    try:
-        channel.send(outcome)
-    except OSError:
-        pass
-    finally:
-        channel.close()
-    return outcome, exit_code
-
-
-def serve_as_driver(launch: Launch, store: Any, group: ExternalGroup, payload: bytes) -> None:
-    """Rank 0: publish where the channel is and what to run."""
-    host, port = publish_host(launch), group.channels.listener.address[1]
-    store.set(store_key(launch, "driver"), f"{host}:{port}")
-    store.set(store_key(launch, "authkey"), group.channels.listener.authkey.hex())
-    store.set(store_key(launch, "payload"), payload)
-
-
-class ControllerThread(threading.Thread):
-    """Runs the controller on rank 0, beside the train function."""
-
-    def __init__(self, controller: Any, payload: bytes) -> None:
-        super().__init__(daemon=True, name="lockstep-controller")
-        self.controller = controller
-        self.payload = payload
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.controller.run(self.payload)
-        except BaseException as error:  # noqa: BLE001 - handed to the main thread
-            self.error = error
 
 
 def shared_run_name(launch: Launch, store: Any, trainer_name: str) -> str:
@@ -177,45 +256,44 @@ def shared_run_name(launch: Launch, store: Any, trainer_name: str) -> str:
     that torchrun restarts continues the same run), else made by rank 0 and shared."""
     if launch.run_id not in ("", "none"):
         return f"{trainer_name}_{launch.run_id}"
-    key = f"lockstep/name/{launch.master_port}"
+    key = f"lockstep/name/{launch.rank_env.master_port}"
     if launch.rank == 0:
-        from lockstep.trainer import default_run_name
-
         store.set(key, default_run_name(trainer_name))
     store.wait([key], STORE_WAIT)
     return store.get(key).decode()
 
 
-def drive_and_run_rank_0(launch: Launch, store: Any, group: ExternalGroup, controller: Any, payload: bytes,
-                         use_gpu: bool) -> Any:
-    """Rank 0: run the controller on a thread, this rank's train function here, and tell the
-    other ranks how the run ended."""
-    serve_as_driver(launch, store, group, payload)
-    thread = ControllerThread(controller, payload)
-    thread.start()
-    run_rank_here(launch, store, use_gpu)
-    thread.join()
-    announce_end(launch, store, thread.error)
-    if thread.error is not None:
-        raise thread.error
-    return thread.result
+def publish_host(launch: Launch) -> str:
+    """The address other ranks use to reach rank 0's channel."""
+    return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.rank_env.master_addr
 
 
-def run_rank_or_raise(launch: Launch, store: Any, use_gpu: bool) -> None:
-    """Another rank: run it; if its train function failed, raise at once (the process then
-    exits, and torchrun stops the group), without waiting for rank 0.
+def publish_channel(launch: Launch, store: Any, group: ExternalGroup | None = None, error: str | None = None) -> None:
+    """Rank 0 tells the other ranks where its channel is, or why there is none."""
+    if group is not None:
+        listener = group.listener
+        entry = {"address": f"{publish_host(launch)}:{listener.address[1]}", "authkey": listener.authkey.hex()}
+    else:
+        entry = {"error": error or "rank 0 could not start the run"}
+    store.set(launch.key("channel"), json.dumps(entry))
+
+
+def await_channel(launch: Launch, store: Any) -> dict[str, str]:
+    """The environment that connects this rank to rank 0's channel.
 
     Raises:
-        TrainingFailedError: this rank's train function raised.
+        TrainingFailedError: rank 0 could not start the run.
     """
-    outcome, exit_code = run_rank_here(launch, store, use_gpu)
-    if exit_code != 0:
-        raise TrainingFailedError.from_failures([outcome.failure])
+    store.wait([launch.key("channel")], STORE_WAIT)
+    entry = json.loads(store.get(launch.key("channel")).decode())
+    if "error" in entry:
+        raise TrainingFailedError(f"The run could not start (rank 0 says): {entry['error']}")
+    return {protocol.ENV_DRIVER_ADDRESS: entry["address"], protocol.ENV_AUTHKEY: entry["authkey"]}
 
 
 def announce_end(launch: Launch, store: Any, error: BaseException | None) -> None:
     """Rank 0 tells the other ranks how the run ended."""
-    store.set(store_key(launch, "end"), "" if error is None else f"{type(error).__name__}: {error}")
+    store.set(launch.key("end"), "" if error is None else f"{type(error).__name__}: {error}")
 
 
 def await_end(launch: Launch, store: Any) -> None:
@@ -224,7 +302,7 @@ def await_end(launch: Launch, store: Any) -> None:
     Raises:
         TrainingFailedError: the run failed.
     """
-    store.wait([store_key(launch, "end")], STORE_WAIT)
-    message = store.get(store_key(launch, "end")).decode()
+    store.wait([launch.key("end")], STORE_WAIT)
+    message = store.get(launch.key("end")).decode()
     if message:
         raise TrainingFailedError(f"The run failed (rank 0 says): {message}")

@@ -1,4 +1,5 @@
-"""The local executor: each rank is a fresh Python process on this machine.
+"""The local executor: each rank is a fresh Python process on this machine, and this process
+drives the run.
 
 Processes are started with ``subprocess`` (never a fork of the driver), each in its own
 process group so that stopping a rank also stops its data-loader processes. The driver waits
@@ -16,14 +17,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing.connection import wait
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from lockstep._internal.devices import usable_gpu_ids
-from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
-from lockstep._internal.executors.channels import WorkerConnections
-from lockstep._internal.worker_output import OutputRelay
-from lockstep._internal.worker import ENV_GPU_IDS, ENV_PAYLOAD_FD, ENV_STACK_FILE
+from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.executors.local_resources import check_local_resources, local_capacity
+from lockstep._internal.payload import TrainJob, serialize_payload
+from lockstep._internal.rank_env import RankEnv, threads_for
+from lockstep._internal.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
+
+if TYPE_CHECKING:
+    from lockstep._internal.driver import RunDriver
+    from lockstep.config import ScalingConfig
+    from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
 
@@ -63,24 +71,48 @@ def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
     return list(range(rank * per_worker, (rank + 1) * per_worker))
 
 
-class LocalWorkerGroup(WorkerGroup):
-    """``num_workers`` processes on this machine."""
+class LocalExecutor(Executor):
+    """Worker processes on this machine, started afresh for each attempt.
 
-    def __init__(self, spec: GroupSpec) -> None:
+    Raises:
+        ValueError: this machine can't meet the request (raised when it is made).
+    """
+
+    name = "local"
+
+    def __init__(self, scaling: ScalingConfig, spec: GroupSpec) -> None:
+        check_local_resources(spec if scaling.elastic else replace(spec, num_workers=scaling.max_workers))
         self.spec = spec
-        self._channels = WorkerConnections(LOOPBACK)
+        self.min_workers, self.max_workers = scaling.min_workers, scaling.max_workers
+
+    def launch(self, job: TrainJob, driver: RunDriver) -> Result:
+        """Serialize the job once, then let the driver run attempts of fresh processes."""
+        payload = serialize_payload(job)
+        spec = replace(self.spec, log_dir=driver.log_dir, console=driver.console)
+        return driver.run(GroupFactory(
+            self.name, lambda size: LocalWorkerGroup(replace(spec, num_workers=size), payload),
+            self.min_workers, self.max_workers, lambda: local_capacity(spec),
+        ))
+
+
+class LocalWorkerGroup(ChannelGroup):
+    """``num_workers`` processes on this machine, each running the serialized job ``payload``."""
+
+    def __init__(self, spec: GroupSpec, payload: bytes) -> None:
+        super().__init__(LOOPBACK, spec.log_dir, spec.console)
+        self.spec = spec
+        self.payload = payload
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
         self._exit_handles: dict[int, int] = {}
         self._payload_fd: int | None = None
         self._store: Any = None
         self._stack_dir = tempfile.mkdtemp(prefix="lockstep_stacks_")
-        self._output = OutputRelay(spec.log_dir, spec.console) if spec.log_dir else None
 
     # -- start ---------------------------------------------------------------------------------
 
-    def start(self, payload: bytes) -> None:
+    def start(self) -> None:
         """Put the payload in memory the workers inherit, then start every rank."""
-        self._payload_fd = _payload_in_memory(payload)
+        self._payload_fd = _payload_in_memory(self.payload)
         self._store = host_rendezvous_store(LOOPBACK)
         master_port = self._store.port
         gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
@@ -99,26 +131,19 @@ class LocalWorkerGroup(WorkerGroup):
 
     def _worker_env(self, rank: int, master_port: int, gpu_ids: list[str]) -> dict[str, str]:
         num_workers = self.spec.num_workers
+        own_gpus = tuple(gpu_ids[slot] for slot in gpu_slots(rank, self.spec.gpus_per_worker)) if self.spec.use_gpu else ()
+        rank_env = RankEnv(
+            world_rank=rank, world_size=num_workers, local_rank=rank, local_world_size=num_workers, node_rank=0,
+            master_addr=LOOPBACK, master_port=master_port, threads=threads_for(self.spec.cpus_per_worker),
+            visible_gpus=own_gpus if self.spec.use_gpu else None, gpu_ids=own_gpus,
+        )
         env = dict(os.environ)
         env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(num_workers),
-            LOCAL_WORLD_SIZE=str(num_workers),
-            NODE_RANK="0",
-            GROUP_RANK="0",
-            MASTER_ADDR=LOOPBACK,
-            MASTER_PORT=str(master_port),
-            TORCHELASTIC_USE_AGENT_STORE="True",
-            OMP_NUM_THREADS=str(max(1, int(self.spec.cpus_per_worker))),
-            PYTHONUNBUFFERED="1",
+            rank_env.variables(),
             PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FILE: self._stack_file(rank)},
             **self._channels.worker_env(),
         )
-        if self.spec.use_gpu:
-            slots = gpu_slots(rank, self.spec.gpus_per_worker)
-            env["CUDA_VISIBLE_DEVICES"] = env[ENV_GPU_IDS] = ",".join(gpu_ids[slot] for slot in slots)
         return env
 
     # -- events --------------------------------------------------------------------------------
@@ -126,15 +151,9 @@ class LocalWorkerGroup(WorkerGroup):
     def wait_events(self, timeout: float | None) -> list[Any]:
         """Wait on the workers' channels and their exit handles together."""
         exit_ranks = {handle: rank for rank, handle in self._exit_handles.items()}
-        events: list[Any] = []
-        exited: list[int] = []
-        for ready in wait([*self._channels.waitables(), *exit_ranks], timeout):
-            if self._channels.owns(ready):
-                events += self._channels.read(ready)
-            else:
-                exited.append(exit_ranks[ready])
-        for rank in exited:
-            events += self._on_exit(rank)
+        events, exited = self._wait(list(exit_ranks), timeout)
+        for handle in exited:
+            events += self._on_exit(exit_ranks[handle])
         return events
 
     def _on_exit(self, rank: int) -> list[Any]:
@@ -143,15 +162,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._processes[rank].wait()
         return [*self._channels.drain_rank(rank), WorkerExited(rank, self._processes[rank].returncode)]
 
-    def send(self, rank: int, message: Any) -> None:
-        """Send a message to a rank (ignored if that rank is already gone)."""
-        self._channels.send(rank, message)
-
     # -- diagnostics ---------------------------------------------------------------------------
-
-    def output_tail(self, rank: int) -> str:
-        """The last lines ``rank`` wrote to stderr, and where its full log is."""
-        return self._output.tail_with_log_path(rank) if self._output is not None else ""
 
     def _stack_file(self, rank: int) -> str:
         return os.path.join(self._stack_dir, f"rank{rank}.txt")
@@ -188,14 +199,12 @@ class LocalWorkerGroup(WorkerGroup):
         for handle in self._exit_handles.values():
             os.close(handle)
         self._exit_handles.clear()
-        self._channels.close()
+        self._close_channels()
         if self._payload_fd is not None:
             os.close(self._payload_fd)
             self._payload_fd = None
         shutil.rmtree(self._stack_dir, ignore_errors=True)
         self._store = None
-        if self._output is not None:
-            self._output.close()
 
 
 PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connection.py")

@@ -1,4 +1,5 @@
-"""The Ray executor: each rank is a Ray actor, placed by a placement group across the cluster.
+"""The Ray executor: each rank is a Ray actor, placed by a placement group across the cluster;
+this process drives the run.
 
 Ray places and starts the actors and says when one ends (or its node is lost); everything
 else (reports, checkpoints, failures) goes over the same channel as with local processes, so
@@ -16,25 +17,28 @@ import os
 import queue
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from multiprocessing.connection import wait
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
-from lockstep._internal import protocol
-from lockstep._internal.executors.base import GroupSpec, WorkerExited, WorkerGroup
-from lockstep._internal.executors.channels import WorkerConnections
+from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.local import user_python_path
+from lockstep._internal.executors.ray_placement import check_request, cluster_capacity, reserve, worker_bundle
+from lockstep._internal.payload import TrainJob, serialize_payload
+from lockstep._internal.rank_env import RankEnv, threads_for
 from lockstep._internal.ray_actor import RayWorker, WorkerPlace
-from lockstep._internal.worker import ENV_GPU_IDS
-from lockstep._internal.worker_output import OutputRelay
 from lockstep.errors import TrainingFailedError
+
+if TYPE_CHECKING:
+    from lockstep._internal.driver import RunDriver
+    from lockstep.config import ScalingConfig
+    from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
 
 #: How long the driver keeps reading a rank's channel after Ray says the rank ended.
 LAST_MESSAGES_WAIT_S = 10.0
 STACK_DUMP_WAIT_S = 5.0  # a method call on a busy actor, possibly on another node
-ACCELERATOR_SHARE = 0.001
 INSTALL_HINT = "pip install 'lockstep[ray]'"
 
 
@@ -48,14 +52,6 @@ def import_ray() -> Any:
     except ImportError as error:
         raise ValueError(f"The Ray executor needs Ray, which is not installed: {INSTALL_HINT}") from error
     return ray
-
-
-def ray_is_initialized() -> bool:
-    """Whether this process has called ``ray.init()`` (without importing Ray if it hasn't)."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
 
 
 def connect(address: str | None) -> None:
@@ -74,122 +70,6 @@ def connect(address: str | None) -> None:
             "lockstep's Ray executor can't run from a Ray Client (ray://) connection: its workers talk to the "
             "driver directly. Run the script on a node of the cluster (e.g. as a Ray job)."
         )
-
-
-# -- placement ----------------------------------------------------------------------------------
-
-
-def worker_bundle(spec: GroupSpec) -> dict[str, float]:
-    """The resources of one worker, as a placement-group bundle."""
-    bundle = {key: float(amount) for key, amount in spec.resources_per_worker.items() if amount > 0}
-    if not spec.use_gpu:
-        bundle.pop("GPU", None)
-    if spec.accelerator_type:
-        bundle[f"accelerator_type:{spec.accelerator_type}"] = ACCELERATOR_SHARE
-    return bundle
-
-
-def workers_fitting(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:
-    """How many bundles fit on a node with these total resources."""
-    counts = [int(node.get(key, 0.0) / amount + 1e-9) for key, amount in bundle.items() if amount > 0]
-    return min(counts) if counts else 1_000_000
-
-
-def placement_capacity(bundle: Mapping[str, float], strategy: str, nodes: list[Mapping[str, float]]) -> int:
-    """How many bundles ``nodes`` (each node's total resources) can hold with ``strategy``."""
-    fits = [workers_fitting(node, bundle) for node in nodes]
-    if strategy == "STRICT_PACK":
-        return max(fits, default=0)
-    if strategy == "STRICT_SPREAD":
-        return sum(1 for fit in fits if fit >= 1)
-    return sum(fits)
-
-
-def cluster_capacity(spec: GroupSpec) -> int:
-    """How many workers of ``spec`` the cluster's alive nodes hold (an elastic run's size)."""
-    return placement_capacity(worker_bundle(spec), spec.placement_strategy, list(alive_nodes().values()))
-
-
-def placement_problem(bundle: Mapping[str, float], count: int, strategy: str, nodes: list[Mapping[str, float]]) -> str | None:
-    """Why ``count`` bundles can never be placed with ``strategy`` on ``nodes`` (each node's
-    total resources), or None when they can."""
-    fits = [workers_fitting(node, bundle) for node in nodes]
-    if strategy == "STRICT_PACK" and max(fits, default=0) < count:
-        return f"STRICT_PACK needs all {count} workers on one node, and no node holds more than {max(fits, default=0)}"
-    if strategy == "STRICT_SPREAD" and sum(1 for fit in fits if fit >= 1) < count:
-        return f"STRICT_SPREAD needs {count} nodes that each hold a worker, and {sum(1 for fit in fits if fit >= 1)} do"
-    if sum(fits) < count:
-        return f"the cluster's nodes hold at most {sum(fits)} such workers in all"
-    return None
-
-
-def describe_nodes(nodes: Mapping[str, Mapping[str, float]]) -> str:
-    """The nodes' resources, one line each, for error messages."""
-    shown = []
-    for label, node in nodes.items():
-        shown.append(f"  {label}: {_short_resources(node) or 'nothing'}")
-    return "\n".join(shown) or "  (no alive nodes)"
-
-
-def _amount(key: str, value: float) -> str:
-    return f"{value / 2**30:.1f}GiB" if key == "memory" else f"{value:g}"
-
-
-def _short_resources(resources: Mapping[str, float]) -> str:
-    """The resources that mean something to a user (not Ray's per-node markers or its object store)."""
-    return ", ".join(
-        f"{key}={_amount(key, value)}" for key, value in sorted(resources.items())
-        if not key.startswith("node:") and key != "object_store_memory"
-    )
-
-
-def alive_nodes() -> dict[str, dict[str, float]]:
-    """The total resources of each alive node of the cluster, by a label with its IP and id."""
-    import ray
-
-    return {
-        f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})": dict(node["Resources"])
-        for node in ray.nodes() if node.get("Alive")
-    }
-
-
-def check_request(spec: GroupSpec, error_type: type[Exception] = ValueError) -> None:
-    """Raise ``error_type`` when the cluster as it is can never hold the workers."""
-    bundle = worker_bundle(spec)
-    nodes = alive_nodes()
-    problem = placement_problem(bundle, spec.num_workers, spec.placement_strategy, list(nodes.values()))
-    if problem:
-        raise error_type(
-            f"The Ray cluster can't hold {spec.num_workers} worker(s) of {bundle} ({spec.placement_strategy}): "
-            f"{problem}.\nThe cluster's nodes:\n{describe_nodes(nodes)}\n"
-            "Ask for fewer workers or resources (ScalingConfig), another placement_strategy, or add nodes."
-        )
-
-
-def reserve(spec: GroupSpec) -> Any:
-    """A ready placement group for the workers.
-
-    Raises:
-        TrainingFailedError: the cluster can never hold them, or didn't within
-            ``spec.placement_timeout_s``.
-    """
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    import ray
-
-    check_request(spec, TrainingFailedError)
-    bundle = worker_bundle(spec)
-    group = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy=spec.placement_strategy)
-    if group.wait(timeout_seconds=spec.placement_timeout_s):
-        return group
-    remove_placement_group(group)
-    available = ray.available_resources()
-    raise TrainingFailedError(
-        f"Ray could not place {spec.num_workers} worker(s) of {bundle} ({spec.placement_strategy}) within "
-        f"{spec.placement_timeout_s:g} s (ScalingConfig.placement_timeout_s): other work holds the resources. "
-        f"Available now: {_short_resources(available)}.\nThe cluster's nodes:\n{describe_nodes(alive_nodes())}\n"
-        "Free resources, add nodes, ask for less, or wait longer."
-    )
 
 
 # -- ranks --------------------------------------------------------------------------------------
@@ -232,35 +112,19 @@ def _gpu_sort_key(gpu_ids: tuple[str, ...]) -> tuple[int, int, str]:
     return (0, int(first), "") if first.isdigit() else (1, 0, first)
 
 
-def rank_env(ranks: list[RankPlace], rank: RankPlace, master_port: int, cpus: float, use_gpu: bool) -> dict[str, str]:
-    """The environment of one rank (without the driver's address)."""
-    master = ranks[0].place
-    env = {
-        "RANK": str(rank.world_rank),
-        "LOCAL_RANK": str(rank.local_rank),
-        "WORLD_SIZE": str(len(ranks)),
-        "LOCAL_WORLD_SIZE": str(rank.local_world_size),
-        "NODE_RANK": str(rank.node_rank),
-        "GROUP_RANK": str(rank.node_rank),
-        "MASTER_ADDR": master.node_ip,
-        "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "OMP_NUM_THREADS": str(max(1, int(cpus))),
-        "PYTHONUNBUFFERED": "1",
-    }
-    if use_gpu:
-        node_gpus = [gpu for other in ranks if other.node_rank == rank.node_rank for gpu in other.place.gpu_ids]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(node_gpus))
-        env[ENV_GPU_IDS] = ",".join(rank.place.gpu_ids)
-    return env
+def rank_env(ranks: list[RankPlace], rank: RankPlace, master_port: int, cpus: float, use_gpu: bool) -> RankEnv:
+    """Who ``rank`` is: rank 0's node hosts the rendezvous store (opened by rank 0, which the
+    others join), and with GPUs a rank sees every GPU of its node's ranks."""
+    node_gpus = [gpu for other in ranks if other.node_rank == rank.node_rank for gpu in other.place.gpu_ids]
+    return RankEnv(
+        world_rank=rank.world_rank, world_size=len(ranks), local_rank=rank.local_rank,
+        local_world_size=rank.local_world_size, node_rank=rank.node_rank, master_addr=ranks[0].place.node_ip,
+        master_port=master_port, threads=threads_for(cpus), visible_gpus=tuple(dict.fromkeys(node_gpus)) if use_gpu else None,
+        gpu_ids=rank.place.gpu_ids if use_gpu else (), store_is_hosted=False,
+    )
 
 
 # -- datasets -----------------------------------------------------------------------------------
-
-
-def is_ray_dataset(value: Any) -> bool:
-    """Whether ``value`` is a ``ray.data.Dataset`` (checked without importing Ray)."""
-    return type(value).__module__.startswith("ray.data") and hasattr(value, "streaming_split")
 
 
 def split_datasets(datasets: Mapping[str, Any], count: int, should_split: Callable[[str], bool]) -> list[dict[str, Any]]:
@@ -277,30 +141,61 @@ def split_datasets(datasets: Mapping[str, Any], count: int, should_split: Callab
 # -- the group ----------------------------------------------------------------------------------
 
 
-class RayWorkerGroup(WorkerGroup):
-    """``num_workers`` Ray actors in one placement group."""
+class RayExecutor(Executor):
+    """Ray actors in a placement group, started afresh for each attempt; ``datasets`` are Ray
+    Datasets, split per attempt into one streaming shard per rank (those ``should_split`` names).
+
+    Raises:
+        ValueError: the cluster as it is can never hold the workers (raised when it is made).
+    """
+
+    name = "ray"
+
+    def __init__(self, scaling: ScalingConfig, spec: GroupSpec, datasets: Mapping[str, Any],
+                 should_split: Callable[[str], bool]) -> None:
+        check_request(spec)
+        logger.info("Running %s workers on the Ray cluster.", scaling.num_workers)
+        self.spec = spec
+        self.min_workers, self.max_workers = scaling.min_workers, scaling.max_workers
+        self.datasets = dict(datasets)
+        self.should_split = should_split
+
+    def launch(self, job: TrainJob, driver: RunDriver) -> Result:
+        """Serialize the job once, then let the driver run attempts of fresh actors."""
+        payload = serialize_payload(job)
+        spec = replace(self.spec, log_dir=driver.log_dir, console=driver.console)
+
+        def start_group(size: int) -> RayWorkerGroup:
+            return RayWorkerGroup(replace(spec, num_workers=size), payload, self.datasets, self.should_split)
+
+        return driver.run(GroupFactory(self.name, start_group, self.min_workers, self.max_workers,
+                                       lambda: cluster_capacity(spec)))
+
+
+class RayWorkerGroup(ChannelGroup):
+    """``num_workers`` Ray actors in one placement group, each running the serialized job ``payload``."""
 
     def __init__(
-        self, spec: GroupSpec, datasets: Mapping[str, Any] | None = None,
+        self, spec: GroupSpec, payload: bytes, datasets: Mapping[str, Any] | None = None,
         should_split: Callable[[str], bool] = lambda name: True,
     ) -> None:
         import ray
 
+        super().__init__(ray.util.get_node_ip_address(), spec.log_dir, spec.console)
         self.spec = spec
+        self.payload = payload
         self.datasets = dict(datasets or {})
         self.should_split = should_split
-        self._channels = WorkerConnections(ray.util.get_node_ip_address())
         self._placement_group: Any = None
         self._actors: list[Any] = []
         self._places: list[RankPlace] = []
         self._ended: queue.SimpleQueue[WorkerExited] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._watcher: threading.Thread | None = None
-        self._output = OutputRelay(spec.log_dir, spec.console) if spec.log_dir else None
 
     # -- start ---------------------------------------------------------------------------------
 
-    def start(self, payload: bytes) -> None:
+    def start(self) -> None:
         """Reserve the placement group, start one actor per bundle, give them ranks and run them."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -322,7 +217,7 @@ class RayWorkerGroup(WorkerGroup):
         self._places = assign_ranks(places, ray.get_runtime_context().get_node_id())
         self._actors = [actors[rank.actor_index] for rank in self._places]
         logger.debug("Ray actors placed: %s", [(rank.world_rank, rank.place.node_ip, rank.place.node_id[:8]) for rank in self._places])
-        self._run_all(ray.put(payload))
+        self._run_all(ray.put(self.payload))
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         import ray
@@ -340,7 +235,7 @@ class RayWorkerGroup(WorkerGroup):
         shards = split_datasets(self.datasets, self.spec.num_workers, self.should_split)
         runs = {}
         for rank, actor in zip(self._places, self._actors):
-            env = rank_env(self._places, rank, master_port, self.spec.cpus_per_worker, self.spec.use_gpu)
+            env = rank_env(self._places, rank, master_port, self.spec.cpus_per_worker, self.spec.use_gpu).variables()
             env.update(self._channels.worker_env())
             runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path())] = rank.world_rank
         self._watcher = threading.Thread(target=self._watch, args=(runs,), daemon=True, name="lockstep-ray-watch")
@@ -364,40 +259,18 @@ class RayWorkerGroup(WorkerGroup):
 
     def wait_events(self, timeout: float | None) -> list[Any]:
         """Wait on the workers' channels and on Ray's news of ended actors together."""
-        events: list[Any] = []
+        events, woken = self._wait([self._wake_read], timeout)
         ended: list[WorkerExited] = []
-        for ready in wait([*self._channels.waitables(), self._wake_read], timeout):
-            if self._channels.owns(ready):
-                events += self._channels.read(ready)
-            else:
-                os.read(self._wake_read, 4096)
-                while not self._ended.empty():
-                    ended.append(self._ended.get())
+        if woken:
+            os.read(self._wake_read, 4096)
+            while not self._ended.empty():
+                ended.append(self._ended.get())
         for exited in ended:
-            events += self._channels.drain_rank(exited.rank, until_closed_s=LAST_MESSAGES_WAIT_S)
+            events += self._relayed(self._channels.drain_rank(exited.rank, until_closed_s=LAST_MESSAGES_WAIT_S))
             events.append(exited)
-        return self._without_output(events)
-
-    def _without_output(self, events: list[Any]) -> list[Any]:
-        """Hand the workers' output to the relay (logs, console); return the other events."""
-        others = []
-        for event in events:
-            if isinstance(event, protocol.Output):
-                if self._output is not None:
-                    self._output.write(event.rank, event.data, event.is_stderr)
-            else:
-                others.append(event)
-        return others
-
-    def send(self, rank: int, message: Any) -> None:
-        """Send a message to a rank (ignored if that rank is already gone)."""
-        self._channels.send(rank, message)
+        return events
 
     # -- diagnostics ---------------------------------------------------------------------------
-
-    def output_tail(self, rank: int) -> str:
-        """The last lines ``rank`` wrote to stderr, and where its full log is."""
-        return self._output.tail_with_log_path(rank) if self._output is not None else ""
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank's actor where its train function is (up to 5 s in all)."""
@@ -427,9 +300,7 @@ class RayWorkerGroup(WorkerGroup):
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None
-        self._channels.close()
-        if self._output is not None:
-            self._output.close()
+        self._close_channels()
         if self._watcher is None or not self._watcher.is_alive():  # else it may still write to the pipe
             os.close(self._wake_read)
             os.close(self._wake_write)

@@ -1,0 +1,74 @@
+"""The driver: what the process that drives a run does, whichever executor starts its ranks.
+It checks the storage, opens the run record, builds the run's listeners and the controller,
+and runs the controller to a Result."""
+
+from __future__ import annotations
+
+import logging
+
+from lockstep._internal.controller import Controller
+from lockstep._internal.executors.base import GroupFactory
+from lockstep._internal.listeners import listeners_for
+from lockstep._internal.run_record import RunRecorder
+from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
+from lockstep._internal.worker_output import ConsoleMode
+from lockstep.callbacks import RunInfo
+from lockstep.config import DEFAULT_STORAGE_PATH, RunConfig, ScalingConfig
+from lockstep.result import Result
+
+logger = logging.getLogger(__name__)
+
+
+class RunDriver:
+    """Drives the run kept in ``storage``.
+
+    Args:
+        storage: The run folder.
+        run_config: The run's settings (failures, checkpoints, callbacks, output).
+        scaling: The run's workers.
+        has_resume_checkpoint: Whether the trainer got a ``resume_from_checkpoint`` (the ranks
+            start from it while the run has no checkpoint of its own).
+    """
+
+    def __init__(self, storage: RunStorage, run_config: RunConfig, scaling: ScalingConfig,
+                 has_resume_checkpoint: bool) -> None:
+        self.storage = storage
+        self.run_config = run_config
+        self.scaling = scaling
+        self.has_resume_checkpoint = has_resume_checkpoint
+        self.log_dir = storage.local_log_dir()
+        self.console: ConsoleMode = run_config.worker_output
+
+    def prepare(self, make_group: GroupFactory, restarts: bool = True) -> Controller:
+        """Check the storage, open the run record, and build the controller that will start
+        groups with ``make_group`` (restarting after failures only when ``restarts``).
+
+        Raises:
+            ValueError: the storage can't hold the run, or the run can't be continued.
+        """
+        storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
+        with storage_errors(storage_path):
+            check_storage_path(storage_path, self.storage)
+            recorder = RunRecorder(self.storage, self.run_config.checkpoint_config, self.scaling.max_workers,
+                                   make_group.executor)
+            recorder.check_resumable()
+            recorder.open()
+        logger.info("Run %s: %s workers (%s executor), results in %s", self.storage.name, self.scaling.num_workers,
+                    make_group.executor, self.storage.display_path)
+        run_info = RunInfo(self.storage.name, self.storage.display_path, self.scaling.max_workers, self.log_dir)
+        failure_config = self.run_config.failure_config
+        return Controller(
+            make_group, recorder, failure_config.max_failures if restarts else 0, self.has_resume_checkpoint,
+            failure_config.report_timeout_s, listeners_for(self.run_config, run_info),
+        )
+
+    def drive(self, controller: Controller) -> Result:
+        """Run ``controller`` to the end of the run; the logs go to storage either way."""
+        try:
+            return controller.run()
+        finally:
+            self.storage.upload_logs(self.log_dir)
+
+    def run(self, make_group: GroupFactory, restarts: bool = True) -> Result:
+        """:meth:`prepare`, then :meth:`drive`."""
+        return self.drive(self.prepare(make_group, restarts))
