@@ -102,6 +102,10 @@ def test_messages_travel_as_json_and_come_back_equal() -> None:
 def test_a_message_naming_any_other_type_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown message type"):
         protocol.decode(json.dumps({"~type": "os.system", "command": "true"}).encode())
+    with pytest.raises(ValueError, match="malformed Hello"):
+        protocol.decode(json.dumps({"~type": "Hello", "rank": 0, "shell": "true"}).encode())
+    with pytest.raises(ValueError):
+        protocol.decode(b"\x80\x04pickled")
 
 
 def rogue_attempts(address: str) -> list[str]:

@@ -199,7 +199,10 @@ def _rebuilt(value: Any) -> Any:
     kind = MESSAGE_TYPES.get(value[TYPE_KEY])
     if kind is None:
         raise ValueError(f"unknown message type {value[TYPE_KEY]!r} on lockstep's channel")
-    return kind(**fields)
+    try:
+        return kind(**fields)
+    except TypeError as error:
+        raise ValueError(f"a malformed {kind.__name__} on lockstep's channel: {error}") from error
 
 
 # -- the channel ---------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ class WorkerConnections:
     def _accept(self) -> list[Any]:
         try:
             connection, hello = self.listener.accept()
-        except (OSError, EOFError, AuthenticationError, ValueError, TypeError) as error:
+        except (OSError, EOFError, AuthenticationError, ValueError) as error:
             logger.warning("refused a connection that is not one of this run's workers: %s", error or type(error).__name__)
             return []
         self._by_rank[hello.rank] = connection
