@@ -5,21 +5,84 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any
 
 import fsspec
+from fsspec.implementations.arrow import ArrowFSWrapper
 from fsspec.implementations.local import LocalFileSystem
 
 
 def resolve_filesystem(path: str | os.PathLike[str], filesystem: Any = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Turn a local path or URI (``s3://…``) into ``(filesystem, path on that filesystem)``."""
+    """Turn a local path or URI (``s3://…``) into ``(filesystem, path on that filesystem)``.
+
+    ``filesystem`` may be an fsspec filesystem or, as Ray Train takes, a ``pyarrow.fs``
+    filesystem; see :func:`from_pyarrow`.
+
+    Raises:
+        ValueError: ``filesystem`` is neither an fsspec nor a pyarrow filesystem.
+    """
     path = os.fspath(path)
-    if filesystem is not None:
-        return filesystem, filesystem._strip_protocol(path)
-    if "://" not in path:
-        return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
-    return fsspec.core.url_to_fs(path)
+    if filesystem is None:
+        if "://" not in path:
+            return _local(path)
+        return fsspec.core.url_to_fs(path)
+    if is_pyarrow_filesystem(filesystem):
+        return from_pyarrow(filesystem, path)
+    if not isinstance(filesystem, fsspec.AbstractFileSystem):
+        raise ValueError(
+            f"filesystem={type(filesystem).__name__} is not a filesystem lockstep can use: pass an fsspec "
+            "filesystem (e.g. s3fs.S3FileSystem(...)) or a pyarrow.fs one (e.g. pyarrow.fs.S3FileSystem(...))."
+        )
+    return filesystem, filesystem._strip_protocol(path)
+
+
+def _local(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def is_pyarrow_filesystem(filesystem: Any) -> bool:
+    """Whether ``filesystem`` is a ``pyarrow.fs.FileSystem`` (checked without importing pyarrow)."""
+    pyarrow_fs = sys.modules.get("pyarrow.fs") or sys.modules.get("pyarrow._fs")
+    file_system_type = getattr(pyarrow_fs, "FileSystem", None)
+    return file_system_type is not None and isinstance(filesystem, file_system_type)
+
+
+def from_pyarrow(filesystem: Any, path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """A ``pyarrow.fs`` filesystem and a path on it, as fsspec sees them.
+
+    The filesystem is wrapped in fsspec's own ``ArrowFSWrapper``, with three simplifications
+    so lockstep treats the storage for what it is: a ``LocalFileSystem`` is this machine's disk
+    (fsspec's local filesystem, so the run record is replaced atomically and the report history
+    appended to); a ``SubTreeFileSystem`` is its base filesystem with the base path in front of
+    ``path`` (a subtree of S3 is still S3: no folders made on it, URIs with ``s3://``); and a
+    ``PyFileSystem`` around an fsspec filesystem is that fsspec filesystem.
+    """
+    import pyarrow.fs as pafs
+
+    if isinstance(filesystem, pafs.SubTreeFileSystem):
+        return from_pyarrow(filesystem.base_fs, _path_in_subtree(filesystem, path))
+    if isinstance(filesystem, pafs.PyFileSystem) and isinstance(filesystem.handler, pafs.FSSpecHandler):
+        return resolve_filesystem(path, filesystem.handler.fs)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return _local(path)
+    wrapper = ArrowFSWrapper(filesystem)
+    return wrapper, wrapper._strip_protocol(path)
+
+
+def _path_in_subtree(subtree: Any, path: str) -> str:
+    """``path`` inside a ``SubTreeFileSystem`` as a path on its base filesystem. Paths lockstep
+    shows (``Result.path``: a URI, or an absolute local path under the base) are already there."""
+    import pyarrow.fs as pafs
+
+    base = subtree.base_path.rstrip("/") + "/"
+    already_there = "://" in path or (
+        isinstance(subtree.base_fs, pafs.LocalFileSystem) and (path.rstrip("/") + "/").startswith(base)
+    )
+    if already_there:
+        return path
+    return join(base, path) if path.strip("/") else base
 
 
 OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
