@@ -6,6 +6,8 @@ the one place that picks one for a ``fit()``:
 - **ray**: Ray actors, when asked for (``executor="ray"``, ``ray_address=``), when the driver
   called ``ray.init()``, or when Ray Datasets are passed.
 - **local**: fresh processes on this machine otherwise.
+- **local_mode** (``num_workers=0``): the train function runs in this process, the run driven
+  from a thread (see :mod:`lockstep._internal.executors.inline`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def choose_executor(
             without Ray, a request bigger than this machine or the Ray cluster); raised before
             anything starts.
     """
+    if scaling.num_workers == 0:
+        return _local_mode_executor(scaling, ray_datasets)
     spec = group_spec(scaling)
     if scaling.executor == "auto" and launched_by_launcher():
         from lockstep._internal.executors.external import ExternalExecutor
@@ -50,6 +54,21 @@ def choose_executor(
     from lockstep._internal.executors.local import LocalExecutor
 
     return LocalExecutor(scaling, spec)
+
+
+def _local_mode_executor(scaling: ScalingConfig, ray_datasets: Mapping[str, Any]) -> Executor:
+    """``num_workers=0`` (local mode, as in Ray Train): the train function runs in this process.
+    Under torchrun, each of its processes is then a rank, whatever the world size (Ray Train
+    does the same)."""
+    if launched_by_launcher():
+        from lockstep._internal.executors.external import ExternalExecutor, Launch
+
+        if ray_datasets:
+            raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
+        return ExternalExecutor(Launch.from_environ(), scaling.use_gpu)
+    from lockstep._internal.executors.inline import InlineExecutor
+
+    return InlineExecutor(scaling, ray_datasets)
 
 
 def launched_by_launcher() -> bool:

@@ -1,0 +1,198 @@
+"""Local mode: ``ScalingConfig(num_workers=0)`` runs the train function in this very process, as
+Ray Train 2.x does, so that a debugger's breakpoints in it stop the driver and Ctrl-C reaches it.
+
+The train function runs on the main thread as the one rank (world size 1, rank 0) and the
+controller on a thread beside it. They talk over the usual channel (a loopback socket), exactly
+as rank 0 does with its own controller under torchrun, so ``report()``, checkpoints, the run
+record and the :class:`~lockstep.Result` mean what they mean with worker processes. Nothing is
+pickled: the train function, its config and rank 0's return value stay the objects they are.
+
+What differs from a run with workers:
+
+- No ``torch.distributed`` process group is created and the backend's worker set-up
+  (``TorchConfig``) is skipped, as in Ray Train's local mode: ``prepare_model`` then moves the
+  model to the device without wrapping it, ``prepare_data_loader`` adds no sampler.
+- No restarts: a failure of the train function ends the run (``FailureConfig.max_failures``
+  does not apply), since a restart in the same process would inherit whatever state the
+  failure left behind.
+- The device is the current CUDA device with ``use_gpu=True``, else the CPU.
+- Ray Datasets are handed over whole (one iterator each), as the only rank's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lockstep._internal import protocol
+from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
+from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.executors.external import ControllerThread
+from lockstep._internal.rank_env import RankEnv
+from lockstep.backend import BackendConfig
+
+if TYPE_CHECKING:
+    from lockstep._internal.driver import RunDriver
+    from lockstep._internal.payload import TrainJob
+    from lockstep.config import ScalingConfig
+    from lockstep.result import Result
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+class InlineExecutor(Executor):
+    """The train function runs in this process (local mode); a thread drives the run.
+
+    Args:
+        scaling: The run's ScalingConfig (``num_workers=0``).
+        ray_datasets: Ray Datasets passed to the trainer; each is the only rank's shard.
+
+    Raises:
+        ValueError: ``scaling`` also asks for Ray, which local mode can't honour.
+    """
+
+    name = "local_mode"
+
+    def __init__(self, scaling: ScalingConfig, ray_datasets: Mapping[str, Any]) -> None:
+        check_local_mode(scaling)
+        self.use_gpu = scaling.use_gpu
+        self.ray_datasets = dict(ray_datasets)
+
+    def launch(self, job: TrainJob, driver: RunDriver) -> Result:
+        """Run the train function here while a thread drives the run; return the Result.
+
+        Raises:
+            TrainingFailedError: the train function failed.
+            KeyboardInterrupt: the train function was interrupted (after the run is recorded
+                as failed).
+        """
+        if driver.run_config.failure_config.max_failures != 0:
+            logger.info("Local mode (num_workers=0) does not restart a failed train function: "
+                        "FailureConfig.max_failures is not used.")
+        driver.scaling = dataclasses.replace(driver.scaling, num_workers=1)
+        group = InlineGroup()
+        try:
+            controller = driver.prepare(GroupFactory(self.name, lambda _: group, 1, 1), restarts=False)
+        except BaseException:
+            group.stop()
+            raise
+        thread = ControllerThread(lambda: driver.drive(controller))
+        thread.start()
+        interrupted = self._run_rank(job, group)
+        thread.join()
+        if interrupted is not None:
+            raise interrupted
+        if thread.error is not None:
+            raise thread.error
+        return thread.result
+
+    def _run_rank(self, job: TrainJob, group: InlineGroup) -> BaseException | None:
+        """Run the train function on this thread as rank 0, connected to ``group``'s channel.
+        Return the KeyboardInterrupt (or alike) that stopped it, to raise once the run is recorded."""
+        from lockstep._internal.worker import describe_failure, run_rank
+        from lockstep.context import set_session
+
+        channel = protocol.connect_to_driver(group.listener.worker_env())
+        interrupted: BaseException | None = None
+        try:
+            channel.send(protocol.Hello(0, os.getpid()))
+            group.keep_return_value(run_rank(self._rank_env(), channel, lambda: _without_worker_setup(job),
+                                             {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
+            outcome: Any = protocol.Finished(0, None)
+        except BaseException as error:  # noqa: BLE001 - the controller must hear of every failure
+            outcome = protocol.Failed(describe_failure(0, error))
+            interrupted = None if isinstance(error, Exception) else error
+        finally:
+            set_session(None)
+        _send_last(channel, outcome)
+        return interrupted
+
+    def _rank_env(self) -> RankEnv:
+        """The only rank: world size 1, this process's threads and (with use_gpu) current GPU."""
+        import torch
+
+        return RankEnv(world_rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                       master_addr=LOOPBACK, master_port=0, threads=torch.get_num_threads(),
+                       gpu_ids=current_gpu_id() if self.use_gpu else ())
+
+
+def check_local_mode(scaling: ScalingConfig) -> None:
+    """Local mode runs here; a config that also asks for Ray contradicts it.
+
+    Raises:
+        ValueError: ``executor='ray'`` or ``ray_address`` is set with ``num_workers=0``.
+    """
+    if scaling.wants_ray:
+        raise ValueError(
+            "ScalingConfig(num_workers=0) runs the train function in this process (local mode), so "
+            f"executor={scaling.executor!r} / ray_address={scaling.ray_address!r} can't apply: drop them, "
+            "or set num_workers >= 1 to run workers on Ray."
+        )
+
+
+def current_gpu_id() -> tuple[str, ...]:
+    """The current CUDA device, as CUDA_VISIBLE_DEVICES names it; none without CUDA."""
+    import torch
+
+    from lockstep._internal.devices import usable_gpu_ids
+
+    if not torch.cuda.is_available():
+        logger.warning("ScalingConfig(use_gpu=True) in local mode, but torch sees no GPU: the train function runs on the CPU.")
+        return ()
+    return (usable_gpu_ids()[torch.cuda.current_device()],)
+
+
+def _without_worker_setup(job: TrainJob) -> TrainJob:
+    """The job with no backend set-up: no process group in local mode (as in Ray Train)."""
+    return dataclasses.replace(job, backend_config=BackendConfig())
+
+
+def _send_last(channel: protocol.WorkerChannel, outcome: Any) -> None:
+    """Tell the controller how the train function ended, and close the channel."""
+    try:
+        channel.send(outcome)
+    except OSError:
+        pass  # the controller already stopped (its own failure is raised instead)
+    finally:
+        channel.close()
+
+
+class InlineGroup(ChannelGroup):
+    """The one rank that runs in this process, as the controller sees it: nothing to start or
+    kill; the rank has ended when its channel closes. Its return value is handed over here."""
+
+    def __init__(self) -> None:
+        super().__init__(LOOPBACK)
+        self._connected = False
+        self._ended = False
+        self._return_value: Any = None
+
+    def start(self) -> None:
+        """Nothing to start: the rank runs on this process's main thread."""
+
+    def wait_events(self, timeout: float | None) -> list[Any]:
+        """What the rank sent; a WorkerExited once its channel has closed."""
+        events, _ = self._wait([], timeout)
+        self._connected = self._connected or any(isinstance(event, protocol.Hello) for event in events)
+        if self._connected and not self._ended and not self._channels.connected_ranks():
+            self._ended = True
+            events.append(WorkerExited(0, 0, "the train function's channel closed before it finished"))
+        return events
+
+    def keep_return_value(self, value: Any) -> None:
+        """The train function returned ``value``."""
+        self._return_value = value
+
+    def return_value(self, finished: protocol.Finished) -> Any:
+        """The train function's return value, as this process kept it."""
+        return self._return_value
+
+    def stop(self) -> None:
+        """Close the channel: a train function waiting in ``report()`` then fails."""
+        self._close_channels()
+
