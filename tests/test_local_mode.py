@@ -251,3 +251,21 @@ def test_under_torchrun_num_workers_0_makes_each_process_a_rank(tmp_path: Path) 
     pids = [int(pid) for _, pid, _ in results]
     for _, _, seen in results:  # every rank's Result holds rank 0's report: both ranks, each in its own process
         assert json.loads(seen) == [[0, 2, pids[0]], [1, 2, pids[1]]]
+
+
+def iterate_ray_shard() -> list[float]:
+    shard = lockstep.get_dataset_shard("train")
+    return sorted(float(value) for batch in shard.iter_torch_batches(batch_size=4) for value in batch["x"])
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_dataset_is_handed_over_whole(storage_path: str) -> None:
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        dataset = ray.data.from_items([{"x": float(value)} for value in range(10)])
+        result = _trainer(iterate_ray_shard, storage_path, "ray_data", datasets={"train": dataset}).fit()
+    finally:
+        ray.shutdown()
+    assert result.return_value == [float(value) for value in range(10)]
