@@ -71,9 +71,23 @@ class RankEnv:
         }
         if self.visible_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.visible_gpus)
+        env.update(self._accelerate_variables())
         if self.store_prefix:
             env[ENV_STORE_PREFIX] = self.store_prefix
         return env
+
+    def _accelerate_variables(self) -> dict[str, str]:
+        """What Hugging Face Accelerate (and the transformers Trainer) read to find this rank's
+        device: without GPUs, Accelerate joins a CPU process group only when told to use the
+        CPU; with GPUs, the rank's own GPU as torch numbers it under CUDA_VISIBLE_DEVICES."""
+        if not self.gpu_ids:
+            return {"ACCELERATE_USE_CPU": "true"}
+        own = self.gpu_ids[0]
+        if self.visible_gpus is not None and own in self.visible_gpus:
+            index = self.visible_gpus.index(own)
+        else:
+            index = int(own) if own.isdigit() else 0
+        return {"ACCELERATE_TORCH_DEVICE": f"cuda:{index}"}
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RankEnv:

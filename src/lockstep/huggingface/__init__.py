@@ -1,0 +1,7 @@
+"""Hugging Face integrations, at the paths Ray Train uses (``ray.train.huggingface.X`` ->
+``lockstep.huggingface.X``).
+
+``lockstep.huggingface.transformers`` holds :class:`RayTrainReportCallback` and
+:func:`prepare_trainer` for the ``transformers.Trainer``. Importing this package alone imports
+nothing from Hugging Face.
+"""
