@@ -130,6 +130,7 @@ def test_a_failure_raises_with_the_traceback_and_a_rerun_resumes_from_the_checkp
     message = str(caught.value)
     assert "ValueError: boom at step 3" in message and "report_with_checkpoints" in message
     assert caught.value.failures[0].error_type == "ValueError"
+    assert "_internal" not in caught.value.failures[0].traceback  # the user's frames only
     assert lockstep.Result.from_path(str(Path(storage_path) / "resume")).metrics["step"] == 3  # no restart
     config.pop("fail_at")
     result = _trainer(report_with_checkpoints, storage_path, "resume", train_loop_config=config).fit()
@@ -269,3 +270,21 @@ def test_a_ray_dataset_is_handed_over_whole(storage_path: str) -> None:
     finally:
         ray.shutdown()
     assert result.return_value == [float(value) for value in range(10)]
+
+
+def collectives_and_reported_checkpoints() -> dict:
+    from lockstep.collective import barrier, broadcast_from_rank_zero
+
+    barrier()
+    token = broadcast_from_rank_zero({"token": 7})
+    for step in range(2):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step.txt").write_text(str(step))
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder))
+    reported = lockstep.get_all_reported_checkpoints()
+    return {"token": token, "reported": [(_step_in(item.checkpoint), item.metrics["step"]) for item in reported]}
+
+
+def test_collectives_and_reported_checkpoints_work_in_local_mode(storage_path: str) -> None:
+    result = _trainer(collectives_and_reported_checkpoints, storage_path, "collectives").fit()
+    assert result.return_value == {"token": {"token": 7}, "reported": [(0, 0), (1, 1)]}

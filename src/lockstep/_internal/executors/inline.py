@@ -105,6 +105,7 @@ class InlineExecutor(Executor):
                                              {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
             outcome: Any = protocol.Finished(0, None)
         except BaseException as error:  # noqa: BLE001 - the controller must hear of every failure
+            error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None  # not this frame
             outcome = protocol.Failed(describe_failure(0, error))
             interrupted = None if isinstance(error, Exception) else error
         finally:
