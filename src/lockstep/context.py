@@ -10,19 +10,24 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
-import queue
-import shutil
-import tempfile
-import threading
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lockstep._internal import protocol
+from lockstep._internal.checkpoint_upload import CheckpointUploader, Upload, UploadFn, check_deletable, delete_local, upload
 from lockstep._internal.storage import RESERVED_NAMES, RunStorage
 from lockstep.checkpoint import Checkpoint
 from lockstep.errors import SessionNotActiveError
+from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointStatus: importable from here too
+    CheckpointConsistencyMode,
+    ReportedCheckpoint,
+    ReportedCheckpointStatus,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class CheckpointUploadMode(enum.Enum):
@@ -110,6 +115,7 @@ class WorkerSession:
         self._used_dir_names = set(used_dir_names)
         self._storage_checked = False
         self._uploader: CheckpointUploader | None = None
+        self._next_collective_seq = 0
 
     def report(
         self,
@@ -117,22 +123,31 @@ class WorkerSession:
         checkpoint: Checkpoint | None,
         checkpoint_dir_name: str | None,
         upload_mode: CheckpointUploadMode,
+        upload_fn: UploadFn | None = None,
+        delete_local_after_upload: bool = False,
     ) -> None:
         """Send one report and wait until every rank has sent it and it is recorded."""
         metrics_json = encode_metrics(metrics)
         index = self._next_report_index
         message = protocol.Report(self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None)
         if checkpoint is not None:
-            dir_name = self._new_dir_name(checkpoint_dir_name, index)
-            state, external = self._persist(checkpoint, dir_name, index, upload_mode)
+            job = Upload(self._new_dir_name(checkpoint_dir_name, index), upload_fn, delete_local_after_upload)
+            state, external = self._persist(checkpoint, job, index, upload_mode)
             message = dataclasses.replace(
-                message, checkpoint_dir_name=dir_name, checkpoint_state=state, external_path=external
+                message, checkpoint_dir_name=job.dir_name, checkpoint_state=state, external_path=external
             )
         self._channel.send(message)
-        done = self._channel.recv()
+        done = self._answer(protocol.ReportDone)
         self._next_report_index = index + 1
         if done.new_latest_checkpoint is not None:
             self._checkpoint = self.context.storage.checkpoint_of(done.new_latest_checkpoint)
+
+    def _answer(self, kind: type[T]) -> T:
+        """The driver's answer to the call just sent (calls and answers alternate)."""
+        answer = self._channel.recv()
+        if not isinstance(answer, kind):
+            raise RuntimeError(f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)")
+        return answer
 
     def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
         name = _checked_dir_name(checkpoint_dir_name, index)
@@ -145,26 +160,39 @@ class WorkerSession:
         return name
 
     def _persist(
-        self, checkpoint: Checkpoint, dir_name: str, index: int, upload_mode: CheckpointUploadMode
+        self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
     ) -> tuple[str, str | None]:
-        """Put this rank's checkpoint files where they belong; return (state, external path)."""
+        """Put this rank's checkpoint files where they belong; return (state, external path).
+
+        The local folder goes after a SYNC upload succeeded, and for ASYNC once it is staged
+        (the upload reads lockstep's staged copy, and removing the folder later, from the
+        background, could remove files a following report has written into the same folder).
+        """
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 f"report(checkpoint=...) takes a lockstep.Checkpoint, got {type(checkpoint).__name__}; "
                 "use Checkpoint.from_directory(folder)."
             )
         if upload_mode is CheckpointUploadMode.NO_UPLOAD:
+            if job.upload_fn is not None or job.delete_local:
+                logger.warning("report(checkpoint_upload_mode=NO_UPLOAD) uploads nothing: checkpoint_upload_fn and "
+                               "delete_local_checkpoint_after_upload are not used.")
             return "external", checkpoint.uri
+        if job.delete_local:
+            check_deletable(checkpoint, self.context.storage)
         self._check_shared_storage()
-        self._channel.send(protocol.WritingCheckpoint(self.context.world_rank, dir_name))
+        self._channel.send(protocol.WritingCheckpoint(self.context.world_rank, job.dir_name))
         if upload_mode is CheckpointUploadMode.ASYNC:
             if self._uploader is None:
                 self._uploader = CheckpointUploader(self.context, self._channel)
-            self._uploader.submit(index, dir_name, checkpoint)
-            return "uploading", None
-        with checkpoint.as_directory() as local_dir:
-            write_checkpoint(self.context, local_dir, dir_name)
-        return "written", None
+            self._uploader.submit(index, checkpoint, job)
+            state, external = "uploading", None
+        else:
+            external = upload(self.context, checkpoint, job)
+            state = "written" if external is None else "external"
+        if job.delete_local:
+            delete_local(checkpoint)
+        return state, external
 
     def _check_shared_storage(self) -> None:
         """The driver's run record must be visible here, or checkpoint files would land
@@ -189,76 +217,27 @@ class WorkerSession:
         """The latest committed checkpoint (at start: the one to resume from)."""
         return self._checkpoint
 
+    def get_all_reported_checkpoints(self) -> list[ReportedCheckpoint]:
+        """The run's kept checkpoints, once those of this rank's reports so far are committed."""
+        self._channel.send(protocol.CheckpointsQuery(self.context.world_rank, self._next_report_index))
+        answer = self._answer(protocol.ReportedCheckpoints)
+        storage = self.context.storage
+        return [ReportedCheckpoint(storage.checkpoint_of(entry), dict(entry.metrics)) for entry in answer.checkpoints]
+
+    def collective(self, op: str, data: bytes | None = None) -> bytes | None:
+        """Enter the next collective (``"barrier"`` or ``"broadcast"``) and wait for every rank
+        to enter it; return rank 0's ``data``."""
+        seq = self._next_collective_seq
+        self._next_collective_seq += 1
+        self._channel.send(protocol.Collective(self.context.world_rank, seq, op, data))
+        return self._answer(protocol.CollectiveDone).data
+
     def get_dataset_shard(self, name: str) -> Any:
         """This rank's shard of the dataset passed as ``datasets={name: ...}``."""
         if name not in self._datasets:
             known = ", ".join(repr(key) for key in self._datasets) or "none"
             raise KeyError(f"get_dataset_shard({name!r}): no such dataset; the trainer got: {known}.")
         return self._datasets[name]
-
-
-def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> None:
-    """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure."""
-    try:
-        context.storage.write_checkpoint(local_dir, dir_name)
-    except Exception as error:
-        raise OSError(
-            f"rank {context.world_rank}: writing checkpoint {dir_name} to "
-            f"{context.storage.checkpoint_path(dir_name)} failed: {type(error).__name__}: {error}"
-        ) from error
-
-
-class CheckpointUploader:
-    """ASYNC uploads of one rank, in report order, on a background thread.
-
-    ``submit`` takes a private copy of the checkpoint first (hard links where the filesystem
-    allows, so it costs next to nothing), so the caller may delete its folder as soon as
-    ``report()`` returns; files must not be rewritten in place before the upload ends.
-    """
-
-    def __init__(self, context: TrainContext, channel: protocol.WorkerChannel) -> None:
-        self._context = context
-        self._channel = channel
-        self._jobs: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._upload_loop, name="lockstep-checkpoint-upload", daemon=True)
-        self._thread.start()
-
-    def submit(self, index: int, dir_name: str, checkpoint: Checkpoint) -> None:
-        """Queue the upload of ``checkpoint`` as ``dir_name`` for report ``index``."""
-        if checkpoint.is_local:
-            staged = _private_copy(checkpoint.path)
-        else:
-            staged = checkpoint.to_directory()
-        self._jobs.put((index, dir_name, staged))
-
-    def _upload_loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            index, dir_name, staged = job
-            error = None
-            try:
-                write_checkpoint(self._context, staged, dir_name)
-            except OSError as failure:
-                error = str(failure)
-            finally:
-                shutil.rmtree(staged, ignore_errors=True)
-            self._channel.send(protocol.CheckpointUploaded(self._context.world_rank, index, dir_name, error))
-
-    def close(self) -> None:
-        """Wait for the queued uploads to end."""
-        self._jobs.put(None)
-        self._thread.join()
-
-
-def _private_copy(folder: str) -> str:
-    """A copy of ``folder`` that survives its deletion: hard links when possible, else a copy."""
-    parent = os.path.dirname(os.path.abspath(folder))
-    try:
-        staged = tempfile.mkdtemp(prefix=".lockstep_upload_", dir=parent)
-        shutil.copytree(folder, staged, copy_function=os.link, dirs_exist_ok=True)
-    except OSError:
-        staged = tempfile.mkdtemp(prefix="lockstep_upload_")
-        shutil.copytree(folder, staged, dirs_exist_ok=True)
-    return staged
 
 
 def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
@@ -348,6 +327,8 @@ def report(
     checkpoint: Checkpoint | None = None,
     checkpoint_dir_name: str | None = None,
     checkpoint_upload_mode: CheckpointUploadMode | str = CheckpointUploadMode.SYNC,
+    delete_local_checkpoint_after_upload: bool | None = None,
+    checkpoint_upload_fn: UploadFn | None = None,
 ) -> None:
     """Report metrics (and optionally a checkpoint) for this step; a collective.
 
@@ -361,9 +342,56 @@ def report(
         checkpoint_dir_name: Folder name for the checkpoint (default ``checkpoint_<index>``);
             the same on every rank.
         checkpoint_upload_mode: SYNC (default), ASYNC or NO_UPLOAD, see :class:`CheckpointUploadMode`.
+        delete_local_checkpoint_after_upload: Remove the checkpoint's local folder once it is
+            uploaded (a remote checkpoint is never deleted). Default, as in Ray Train: True for
+            ASYNC, False otherwise. With ASYNC the folder goes when ``report()`` returns, since
+            lockstep uploads from its own staged copy. Unused with NO_UPLOAD (nothing is uploaded).
+        checkpoint_upload_fn: ``fn(checkpoint, checkpoint_dir_name) -> Checkpoint`` uploads this
+            rank's checkpoint itself (on the upload thread with ASYNC) instead of lockstep
+            copying it into the run folder; the Checkpoint it returns is what the run records
+            (``Result.checkpoint``, ``get_checkpoint()``). If it is not the run's folder
+            ``checkpoint_dir_name``, it is registered where it is, as with NO_UPLOAD (Ray Train
+            refuses a place outside its run folder), and not deleted by ``num_to_keep``; every
+            rank should then return the same one (only one is recorded).
+
+    Raises:
+        ValueError: ``delete_local_checkpoint_after_upload`` would delete the run folder or a
+            folder inside it.
     """
     mode = CheckpointUploadMode(checkpoint_upload_mode)
-    active_session("report").report(metrics, checkpoint, checkpoint_dir_name, mode)
+    delete_local = mode is CheckpointUploadMode.ASYNC if delete_local_checkpoint_after_upload is None else bool(
+        delete_local_checkpoint_after_upload)
+    active_session("report").report(metrics, checkpoint, checkpoint_dir_name, mode, checkpoint_upload_fn, delete_local)
+
+
+def get_all_reported_checkpoints(
+    consistency_mode: CheckpointConsistencyMode | str = CheckpointConsistencyMode.VALIDATED,
+    timeout_s: float | None = None,
+) -> list[ReportedCheckpoint]:
+    """The run's checkpoints so far, each with the metrics reported with it.
+
+    Not a collective: each rank may call it on its own. It asks the driver, which answers once
+    the checkpoints of every ``report()`` this rank has made are committed, so a checkpoint
+    whose ASYNC upload is still running is waited for (a failed upload fails the run instead).
+
+    Which and in what order, as in Ray Train 2.60: the checkpoints the run keeps, so those
+    deleted by ``CheckpointConfig(num_to_keep=...)`` are not listed (the latest always is); in
+    report order, or worst to best by ``checkpoint_score_attribute`` when one is set.
+    Checkpoints of earlier attempts (before a restart) and of an earlier run that this one
+    resumed are included.
+
+    Example:
+        >>> for reported in lockstep.get_all_reported_checkpoints():  # doctest: +SKIP
+        ...     print(reported.metrics["loss"], reported.checkpoint.path)
+
+    Args:
+        consistency_mode: Accepted for Ray Train scripts; COMMITTED and VALIDATED both wait for
+            the commits (lockstep has no validation).
+        timeout_s: Accepted for Ray Train scripts and not used: the wait lasts only while
+            uploads already started finish or fail.
+    """
+    CheckpointConsistencyMode(consistency_mode)
+    return active_session("get_all_reported_checkpoints").get_all_reported_checkpoints()
 
 
 def get_context() -> TrainContext:

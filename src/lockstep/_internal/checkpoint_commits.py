@@ -33,6 +33,7 @@ class CheckpointCommits:
     def __init__(self) -> None:
         self.pending: dict[int, PendingCheckpoint] = {}
         self.uploaded_early: set[tuple[int, int]] = set()
+        self.early_external_paths: dict[int, str] = {}
         self.written_dir_names: set[str] = set()
 
     def writing(self, dir_name: str) -> None:
@@ -47,6 +48,7 @@ class CheckpointCommits:
             if call.checkpoint_state == "uploading" and (index, call.rank) not in self.uploaded_early
         }
         external = next((call.external_path for call in with_checkpoint if call.external_path), None)
+        external = external or self.early_external_paths.pop(index, None)
         self.pending[index] = PendingCheckpoint(dir_name, metrics, uploading, external)
 
     def uploaded(self, event: CheckpointUploaded) -> WorkerFailure | None:
@@ -56,9 +58,16 @@ class CheckpointCommits:
         pending = self.pending.get(event.index)
         if pending is None:  # the upload beat the other ranks' report() calls
             self.uploaded_early.add((event.index, event.rank))
+            if event.external_path:
+                self.early_external_paths.setdefault(event.index, event.external_path)
         else:
             pending.waiting.discard(event.rank)
+            pending.external_path = pending.external_path or event.external_path
         return None
+
+    def first_pending(self) -> int | None:
+        """The index of the oldest checkpoint not committed yet (``None``: all are)."""
+        return min(self.pending, default=None)
 
     def ready(self) -> Iterator[tuple[int, PendingCheckpoint]]:
         """The checkpoints that can be committed now, in report order: each is forgotten once

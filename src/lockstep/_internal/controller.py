@@ -13,6 +13,7 @@ report index and the run's latest checkpoint, as the run record has them when th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 
 from lockstep._internal import protocol
 from lockstep._internal.checkpoint_commits import CheckpointCommits, agreed_dir_name
+from lockstep._internal.checkpoints import best_checkpoints
+from lockstep._internal.collectives import CollectiveBarrier
 from lockstep._internal.executors.base import GroupFactory, WorkerExited, WorkerGroup
 from lockstep._internal.failures import AttemptOutcome
 from lockstep._internal.listeners import Listeners
@@ -41,7 +44,9 @@ class Attempt:
     start: protocol.Start
     barrier: ReportBarrier
     liveness: Liveness
+    collectives: CollectiveBarrier
     commits: CheckpointCommits = field(default_factory=CheckpointCommits)
+    queries: list[protocol.CheckpointsQuery] = field(default_factory=list)
     latest_sent: CheckpointEntry | None = None
     return_value: Any = None
     stacks: dict[int, str] = field(default_factory=dict)
@@ -160,7 +165,8 @@ class Controller:
     def _run_attempt(self, start: AttemptStart) -> Attempt:
         self.recorder.set_world_size(start.world_size)
         attempt = Attempt(self._start_message(), ReportBarrier(start.world_size, self.report_timeout_s),
-                          Liveness(start.world_size), latest_sent=self._latest_entry())
+                          Liveness(start.world_size), CollectiveBarrier(start.world_size),
+                          latest_sent=self._latest_entry())
         self.listeners.on_attempt_start(start)
         group = self.make_group(start.world_size)
         try:
@@ -185,6 +191,10 @@ class Controller:
             self._on_uploaded(event, attempt)
         elif isinstance(event, protocol.WritingCheckpoint):
             attempt.commits.writing(event.dir_name)
+        elif isinstance(event, protocol.Collective):
+            self._on_collective(event, attempt, group)
+        elif isinstance(event, protocol.CheckpointsQuery):
+            attempt.queries.append(event)
         elif isinstance(event, protocol.Hello):
             self._on_hello(event, attempt, group)
         elif isinstance(event, protocol.Finished):
@@ -194,6 +204,8 @@ class Controller:
         elif isinstance(event, WorkerExited):
             attempt.liveness.exit(event, group.output_tail)
             self.listeners.on_workers_changed(attempt.liveness.alive)
+        if attempt.queries:
+            self._answer_queries(attempt, group)
 
     def _on_hello(self, hello: protocol.Hello, attempt: Attempt, group: WorkerGroup) -> None:
         liveness = attempt.liveness
@@ -208,11 +220,12 @@ class Controller:
         if finished.rank == 0:
             attempt.return_value = group.return_value(finished)
         attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished))
+        attempt.liveness.fail(attempt.collectives.left_behind(attempt.liveness.finished))
 
     def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
         calls = attempt.barrier.arrive(report)
         if calls is None:
-            attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished))
+            attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished) or self._deadlock(attempt))
             return
         self._record(report.index, calls, attempt)
         latest = self._latest_entry()
@@ -221,6 +234,42 @@ class Controller:
         done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed))
         for rank in range(attempt.world_size):
             group.send(rank, done)
+
+    def _on_collective(self, call: protocol.Collective, attempt: Attempt, group: WorkerGroup) -> None:
+        """One rank entered a barrier or broadcast; the last one releases every rank."""
+        collectives = attempt.collectives
+        done = collectives.arrive(call)
+        if done is None:
+            attempt.liveness.fail(
+                collectives.mismatched() or collectives.left_behind(attempt.liveness.finished) or self._deadlock(attempt)
+            )
+            return
+        for rank in range(attempt.world_size):
+            group.send(rank, done)
+
+    def _deadlock(self, attempt: Attempt) -> list[Any]:
+        """Failures when every rank waits and none can be released (reports vs collectives)."""
+        for index, calls in attempt.barrier.waiting.items():
+            return attempt.collectives.deadlocked(calls, index)
+        return []
+
+    def _answer_queries(self, attempt: Attempt, group: WorkerGroup) -> None:
+        """Answer the get_all_reported_checkpoints() calls whose reports' checkpoints are all
+        committed (an ASYNC upload can keep one waiting)."""
+        first_pending = attempt.commits.first_pending()
+        waiting = []
+        for query in attempt.queries:
+            if first_pending is not None and first_pending < query.before_index:
+                waiting.append(query)
+            else:
+                group.send(query.rank, protocol.ReportedCheckpoints(self._reported_checkpoints()))
+        attempt.queries = waiting
+
+    def _reported_checkpoints(self) -> list[CheckpointEntry]:
+        """The kept checkpoints in Ray Train's order: report order, or worst to best by the
+        checkpoint score when CheckpointConfig has a score attribute."""
+        config = dataclasses.replace(self.recorder.checkpoint_config, num_to_keep=None)
+        return best_checkpoints(self.recorder.checkpoints, config)
 
     def _record(self, index: int, calls: dict[int, protocol.Report], attempt: Attempt) -> None:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""

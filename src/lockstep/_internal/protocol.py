@@ -77,12 +77,36 @@ class WritingCheckpoint:
 
 @dataclass(frozen=True)
 class CheckpointUploaded:
-    """A rank's ASYNC upload for report ``index`` ended (``error`` says why it failed)."""
+    """A rank's ASYNC upload for report ``index`` ended (``error`` says why it failed).
+    ``external_path`` is set when a ``checkpoint_upload_fn`` put the checkpoint somewhere other
+    than its folder in the run."""
 
     rank: int
     index: int
     dir_name: str
     error: str | None = None
+    external_path: str | None = None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A rank entered its collective number ``seq`` (``barrier`` or ``broadcast_from_rank_zero``,
+    named in ``op``). Rank 0 of a broadcast sends its object pickled; the driver never unpickles
+    it, it only hands the bytes on to the other ranks."""
+
+    rank: int
+    seq: int
+    op: str
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointsQuery:
+    """``get_all_reported_checkpoints()``: the rank wants the run's checkpoints once those of
+    every report before ``before_index`` are committed."""
+
+    rank: int
+    before_index: int
 
 
 @dataclass(frozen=True)
@@ -141,6 +165,21 @@ class ReportDone:
     new_latest_checkpoint: CheckpointEntry | None = None
 
 
+@dataclass(frozen=True)
+class CollectiveDone:
+    """Every rank has entered collective ``seq``; ``data`` is rank 0's pickled object (broadcast)."""
+
+    seq: int
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ReportedCheckpoints:
+    """The answer to a :class:`CheckpointsQuery`: the run's kept checkpoints, with their metrics."""
+
+    checkpoints: list[CheckpointEntry] = field(default_factory=list)
+
+
 def checkpoint_ref(entry: CheckpointEntry | None) -> CheckpointEntry | None:
     """A record entry as ranks are told of it: what names the checkpoint, without its metrics."""
     return dataclasses.replace(entry, metrics={}) if entry is not None else None
@@ -150,8 +189,8 @@ def checkpoint_ref(entry: CheckpointEntry | None) -> CheckpointEntry | None:
 
 MESSAGE_TYPES: dict[str, type] = {
     kind.__name__: kind
-    for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Output, Finished, Failed, Start, ReportDone,
-                 WorkerFailure, CheckpointEntry)
+    for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output, Finished,
+                 Failed, Start, ReportDone, CollectiveDone, ReportedCheckpoints, WorkerFailure, CheckpointEntry)
 }
 TYPE_KEY = "~type"
 BYTES_KEY = "~bytes"
