@@ -8,10 +8,15 @@ from lockstep import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from lockstep.torch import TorchConfig
 
 
-@pytest.mark.parametrize("num_workers", [0, -1, 1.5, "2", True, None])
-def test_num_workers_must_be_positive_int(num_workers: object) -> None:
+@pytest.mark.parametrize("num_workers", [-1, 1.5, "2", True, None, (0, 2), (3, 2)])
+def test_num_workers_must_be_an_int_at_least_0_or_a_min_max_pair(num_workers: object) -> None:
     with pytest.raises(ValueError, match="num_workers"):
         ScalingConfig(num_workers=num_workers)  # type: ignore[arg-type]
+
+
+def test_num_workers_0_is_local_mode() -> None:
+    config = ScalingConfig(num_workers=0)
+    assert (config.min_workers, config.max_workers, config.elastic) == (0, 0, False)
 
 
 def test_gpu_resources_need_use_gpu() -> None:
@@ -77,6 +82,17 @@ def test_torch_config_validation_and_backend_choice() -> None:
     assert TorchConfig().resolved_backend(use_gpu=True) == "nccl"
     assert TorchConfig().resolved_backend(use_gpu=False) == "gloo"
     assert TorchConfig(backend="gloo").resolved_backend(use_gpu=True) == "gloo"
+
+
+def test_torch_config_per_device_backends() -> None:
+    both = TorchConfig(backend="cpu:gloo,cuda:nccl")
+    assert both.resolved_backend(use_gpu=False) == "gloo"
+    assert both.resolved_backend(use_gpu=True) == "cpu:gloo,cuda:nccl", "torch gets both: CPU tensors over gloo"
+    with pytest.raises(ValueError, match="no backend for CPU workers"):
+        TorchConfig(backend="cuda:nccl").resolved_backend(use_gpu=False)
+    for unknown in ("gloo,nccl", "tpu:gloo", "cpu:pigeon", "cpu:gloo,"):
+        with pytest.raises(ValueError, match="per-device pairs such as 'cpu:gloo,cuda:nccl'"):
+            TorchConfig(backend=unknown)
 
 
 def test_legacy_import_paths() -> None:

@@ -6,12 +6,24 @@ A Ray Train script moves over by changing imports::
     from lockstep.torch import TorchTrainer     # was: from ray.train.torch import TorchTrainer
     from lockstep import session                # was: from ray.air import session
 
-Importing ``lockstep`` is light; ``lockstep.torch`` imports torch.
+Importing ``lockstep`` is light: ``lockstep.torch``, ``lockstep.lightning``,
+``lockstep.huggingface`` and ``lockstep.collective`` are imported on first use (the first three
+import torch or the framework they integrate). Which of Ray Train's names lockstep provides is
+listed in ``lockstep._internal.ray_names``.
 """
 
 from lockstep import config, session
+from lockstep.backend import BackendConfig
 from lockstep.checkpoint import Checkpoint
-from lockstep.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from lockstep.config import (
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    LoggingConfig,
+    RunConfig,
+    ScalingConfig,
+    SyncConfig,
+)
 from lockstep.context import (
     CheckpointUploadMode,
     TrainContext,
@@ -20,25 +32,57 @@ from lockstep.context import (
     get_dataset_shard,
     report,
 )
-from lockstep.errors import SessionNotActiveError, TrainingFailedError, WorkerFailure
+from lockstep.errors import (
+    ControllerError,
+    NCCLHangError,
+    SessionNotActiveError,
+    TrainingFailedError,
+    WorkerError,
+    WorkerFailure,
+    WorkerGroupError,
+)
 from lockstep.result import Result
 
 __version__ = "0.1.0"
 
+#: The key of the training dataset in ``datasets=`` (Ray Train's constant).
+TRAIN_DATASET_KEY = "train"
+
+#: Names imported on first use: name -> the module that defines it.
+_LAZY_NAMES = {
+    "get_all_reported_checkpoints": "lockstep.context",
+    "ReportedCheckpoint": "lockstep.reported_checkpoint",
+    "ReportedCheckpointStatus": "lockstep.reported_checkpoint",
+    "CheckpointConsistencyMode": "lockstep.reported_checkpoint",
+}
+_LAZY_MODULES = ("torch", "lightning", "huggingface", "collective")
+
 __all__ = [
+    "TRAIN_DATASET_KEY",
+    "BackendConfig",
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointConsistencyMode",
     "CheckpointUploadMode",
+    "ControllerError",
     "DataConfig",
     "FailureConfig",
+    "LoggingConfig",
+    "NCCLHangError",
+    "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
     "Result",
     "RunConfig",
     "ScalingConfig",
     "SessionNotActiveError",
+    "SyncConfig",
     "TrainContext",
     "TrainingFailedError",
+    "WorkerError",
     "WorkerFailure",
+    "WorkerGroupError",
     "config",
+    "get_all_reported_checkpoints",
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
@@ -48,9 +92,18 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """``lockstep.torch`` on first use, so ``import lockstep`` alone doesn't import torch."""
-    if name == "torch":
-        import importlib
+    """``lockstep.torch`` & co, and the names of ``_LAZY_NAMES``, imported on first use, so that
+    ``import lockstep`` alone imports neither torch nor the integrated frameworks."""
+    import importlib
 
-        return importlib.import_module("lockstep.torch")
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"lockstep.{name}")
+    if name in _LAZY_NAMES:
+        module = importlib.import_module(_LAZY_NAMES[name])
+        if hasattr(module, name):
+            return getattr(module, name)
     raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_LAZY_MODULES))

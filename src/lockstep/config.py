@@ -11,13 +11,13 @@ Example:
 
 from __future__ import annotations
 
-import math
-import numbers
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lockstep._internal import config_checks
 from lockstep._internal.worker_output import CONSOLE_MODES, ConsoleMode
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -33,7 +33,10 @@ class ScalingConfig:
         num_workers: Number of worker processes (the world size); or ``(min, max)`` for an
             elastic run, which starts with as many workers as the resources allow (at most
             ``max``, at least ``min``), goes on with fewer (from the latest checkpoint) when
-            workers are lost, and grows back, at a checkpoint, when resources return.
+            workers are lost, and grows back, at a checkpoint, when resources return. ``0`` is
+            local mode, as in Ray Train 2.x: the train function runs in the process that calls
+            ``fit()`` (world size 1, no process group; a debugger works), with the same
+            ``report()``, checkpoint and ``Result`` semantics.
         use_gpu: Give each worker one GPU (unless ``resources_per_worker`` says otherwise).
         resources_per_worker: Resources per worker, e.g. ``{"CPU": 2, "GPU": 1}``. Keys are
             case-sensitive. ``CPU`` also sets each worker's torch intra-op thread count.
@@ -52,6 +55,11 @@ class ScalingConfig:
         placement_timeout_s: How long the Ray executor waits for the cluster to place the
             workers before ``fit()`` fails (a lockstep addition). A request that the cluster's
             nodes can never hold fails at once.
+        label_selector: Ray Train's node-label placement. Not supported (a ValueError says what
+            to use instead: a custom resource in ``resources_per_worker``); only None is accepted.
+        use_tpu: Ray Train's TPU mode. lockstep runs torch.distributed on CPUs or CUDA GPUs, so
+            only False is accepted.
+        topology: Ray Train's TPU slice topology; only None is accepted (see ``use_tpu``).
     """
 
     num_workers: int | tuple[int, int] = 1
@@ -63,13 +71,17 @@ class ScalingConfig:
     executor: str = "auto"
     ray_address: str | None = None
     placement_timeout_s: float = 60.0
+    label_selector: dict[str, str] | list[dict[str, str]] | None = None
+    use_tpu: bool = False
+    topology: str | None = None
 
     def __post_init__(self) -> None:
-        _check_num_workers(self.num_workers)
+        config_checks.check_num_workers(self.num_workers)
+        config_checks.check_ray_only_placement(self.label_selector, self.use_tpu, self.topology)
         if not isinstance(self.use_gpu, bool):
             raise ValueError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}.")
-        _check_resources("resources_per_worker", self.resources_per_worker)
-        _check_resources("trainer_resources", self.trainer_resources)
+        config_checks.check_resources("resources_per_worker", self.resources_per_worker)
+        config_checks.check_resources("trainer_resources", self.trainer_resources)
         if self.resources_per_worker and not self.use_gpu and self.resources_per_worker.get("GPU", 0) > 0:
             raise ValueError(
                 "ScalingConfig.resources_per_worker asks for GPUs but use_gpu=False: "
@@ -135,38 +147,6 @@ class ScalingConfig:
         return float(self.worker_resources.get("GPU", 0.0)) if self.use_gpu else 0.0
 
 
-def _check_num_workers(num_workers: Any) -> None:
-    if isinstance(num_workers, (tuple, list)):
-        if len(num_workers) != 2 or not all(_is_positive_int(count) for count in num_workers) or num_workers[0] > num_workers[1]:
-            raise ValueError(
-                f"ScalingConfig.num_workers=(min, max) needs two ints with 1 <= min <= max, got {num_workers!r}."
-            )
-        return
-    if not _is_positive_int(num_workers):
-        raise ValueError(
-            f"ScalingConfig.num_workers must be an int >= 1 or a (min, max) pair, got {num_workers!r} "
-            f"({type(num_workers).__name__})."
-        )
-
-
-def _is_positive_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
-
-
-def _check_resources(field_name: str, resources: dict[str, float] | None) -> None:
-    if resources is None:
-        return
-    if not isinstance(resources, dict):
-        raise ValueError(f"ScalingConfig.{field_name} must be a dict like {{'CPU': 1}}, got {resources!r}.")
-    for key, amount in resources.items():
-        if not isinstance(key, str):
-            raise ValueError(f"ScalingConfig.{field_name} keys must be strings, got {key!r}.")
-        if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or math.isnan(amount) or amount < 0:
-            raise ValueError(
-                f"ScalingConfig.{field_name}[{key!r}] must be a number >= 0, got {amount!r}."
-            )
-
-
 @dataclass
 class FailureConfig:
     """What to do when a worker fails.
@@ -176,12 +156,17 @@ class FailureConfig:
             before ``fit()`` gives up; ``-1`` means without limit.
         report_timeout_s: How long ranks may wait in ``report()`` for a rank that hasn't called
             it yet before that rank is failed (a lockstep addition; None waits forever).
+        fail_fast: Ray Train V1's (Tune's) "stop at the first failure". For one run that is
+            ``max_failures=0``, so ``fail_fast=True`` (or ``"raise"``) is accepted with
+            ``max_failures=0`` and refused with a ValueError otherwise.
     """
 
     max_failures: int = 0
     report_timeout_s: float | None = 1800.0
+    fail_fast: bool | str = False
 
     def __post_init__(self) -> None:
+        config_checks.check_fail_fast(self.fail_fast, self.max_failures)
         if self.report_timeout_s is not None and (
             isinstance(self.report_timeout_s, bool) or not isinstance(self.report_timeout_s, (int, float))
             or self.report_timeout_s <= 0
@@ -204,13 +189,20 @@ class CheckpointConfig:
         checkpoint_score_attribute: A reported metric to rank checkpoints by; without it, the
             most recent ones are kept.
         checkpoint_score_order: ``"max"`` or ``"min"``: which end of the metric is best.
+        checkpoint_frequency: Ray Train V1's field; only ``0`` (off) is accepted: the train
+            function decides when to checkpoint, by passing one to ``report()``.
+        checkpoint_at_end: Ray Train V1's field; only ``None``/``False`` are accepted: report a
+            checkpoint at the end of the train function instead.
     """
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: Literal["max", "min"] = "max"
+    checkpoint_frequency: int = 0
+    checkpoint_at_end: bool | None = None
 
     def __post_init__(self) -> None:
+        config_checks.check_v1_checkpoint_fields(self.checkpoint_frequency, self.checkpoint_at_end)
         if self.num_to_keep is not None and (
             isinstance(self.num_to_keep, bool) or not isinstance(self.num_to_keep, int) or self.num_to_keep < 1
         ):
@@ -227,6 +219,44 @@ class CheckpointConfig:
                 "CheckpointConfig.checkpoint_score_attribute must be a metric name (str), "
                 f"got {self.checkpoint_score_attribute!r}."
             )
+
+
+@dataclass
+class LoggingConfig:
+    """The level of lockstep's own log messages (Ray Train's ``LoggingConfig``).
+
+    Given to ``RunConfig(logging_config=...)``, it sets the level of the ``lockstep`` logger in
+    this process when the RunConfig is made. Where the messages go is up to your logging set-up
+    (e.g. ``logging.basicConfig()``); workers' log lines follow their own process's set-up.
+
+    Args:
+        log_level: A :mod:`logging` level name such as ``"DEBUG"`` or ``"INFO"`` (any case).
+    """
+
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.log_level, str) or not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(
+                f"LoggingConfig.log_level={self.log_level!r} is unknown; choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL."
+            )
+        self.log_level = self.log_level.upper()
+
+    def apply(self) -> None:
+        """Set the level of the ``lockstep`` logger in this process."""
+        logging.getLogger("lockstep").setLevel(self.log_level)
+
+
+class SyncConfig:
+    """Ray Train's syncing settings. lockstep has no sync step (ranks write checkpoints straight
+    to ``RunConfig.storage_path``), so making one raises a ValueError that says so; the name is
+    here so that scripts importing it load."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(
+            "SyncConfig: lockstep has no sync step, ranks write checkpoints straight to RunConfig.storage_path "
+            "(a local or shared folder, or a URI such as s3://bucket/prefix). Drop SyncConfig and sync_config=."
+        )
 
 
 _RUN_NAME_FORBIDDEN = re.compile(r"[/\\]|^\.\.?$|\.\.")
@@ -251,6 +281,15 @@ class RunConfig:
         worker_output: Which workers' printed output the console shows: ``"rank0"`` (default),
             ``"all"`` (each line prefixed with its rank) or ``"none"``. Every rank's output also
             goes to ``<run folder>/logs/rank_<r>.log`` (a lockstep addition).
+        logging_config: The level of lockstep's log messages, see :class:`LoggingConfig`.
+        local_dir: Ray Train V1's name of ``storage_path`` (works, with a DeprecationWarning).
+        log_to_file: Ray Train V1's field: ``True``/``False`` are accepted (each rank's output
+            always goes to ``<run folder>/logs/rank_<r>.log``); file names are refused.
+        stop: Ray Tune's stopping criteria; not supported yet (NotImplementedError says what to
+            do instead).
+        sync_config, progress_reporter, worker_runtime_env: Ray fields without an equivalent
+            here; only None (or an empty ``worker_runtime_env``) is accepted, anything else
+            raises a ValueError that says what to use.
     """
 
     name: str | None = None
@@ -261,8 +300,23 @@ class RunConfig:
     callbacks: list[Any] = field(default_factory=list)
     verbose: int | None = None
     worker_output: ConsoleMode = "rank0"
+    logging_config: LoggingConfig | None = None
+    local_dir: str | os.PathLike[str] | None = None
+    log_to_file: bool | None = None
+    stop: Any = None
+    sync_config: Any = None
+    progress_reporter: Any = None
+    worker_runtime_env: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        config_checks.check_v1_run_fields(
+            self.stop, self.log_to_file, self.sync_config, self.progress_reporter, self.worker_runtime_env
+        )
+        self.storage_path = config_checks.storage_path_from_local_dir(self.storage_path, self.local_dir)
+        if self.logging_config is not None:
+            if not isinstance(self.logging_config, LoggingConfig):
+                raise ValueError(f"RunConfig.logging_config must be a LoggingConfig, got {self.logging_config!r}.")
+            self.logging_config.apply()
         if self.name is not None:
             if not isinstance(self.name, str) or not self.name or _RUN_NAME_FORBIDDEN.search(self.name):
                 raise ValueError(
@@ -318,6 +372,8 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "FailureConfig",
+    "LoggingConfig",
     "RunConfig",
     "ScalingConfig",
+    "SyncConfig",
 ]

@@ -10,7 +10,7 @@ from typing import Callable
 
 from lockstep._internal.executors.base import WorkerExited
 from lockstep._internal.failures import AttemptOutcome, FailureKind
-from lockstep.errors import TrainingFailedError, WorkerFailure
+from lockstep.errors import TrainingFailedError, WorkerFailure, WorkerGroupError
 
 
 class Liveness:
@@ -97,12 +97,13 @@ class RestartPolicy:
         return self.max_failures < 0 or len(self.history) <= self.max_failures
 
     def final_error(self, error: TrainingFailedError) -> TrainingFailedError:
-        """The error that ends the run: ``error``, or every failure so far when there were several."""
+        """The error that ends the run: ``error``, or, when there were several, a
+        :class:`WorkerGroupError` with every failure so far (``failures``: the last attempt's)."""
         if len(self.history) == 1:
             return error
         lines = [f"Training failed {len(self.history)} times (max_failures={self.max_failures})."]
         lines += [f"Failure {number}: {failure}" for number, failure in enumerate(self.history, 1)]
-        return TrainingFailedError("\n\n".join(lines), error.failures)
+        return WorkerGroupError("\n\n".join(lines), error.failures)
 
 
 def describe_exit(returncode: int) -> str:

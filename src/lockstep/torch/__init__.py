@@ -1,24 +1,40 @@
 """PyTorch support: ``from lockstep.torch import TorchTrainer, prepare_model, …`` (the names of
-``ray.train.torch``)."""
+``ray.train.torch``). Ray Train's deprecated AMP helpers (``accelerate``, ``backward``,
+``prepare_optimizer``) and ``TorchCheckpoint`` import, and raise when used, saying what to use."""
 
+from lockstep._internal.deprecated import removed_class
 from lockstep.torch.config import TorchConfig
 from lockstep.torch.train_loop_utils import (
+    accelerate,
+    backward,
     enable_reproducibility,
     get_device,
     get_devices,
     move_to_device,
     prepare_data_loader,
     prepare_model,
+    prepare_optimizer,
 )
 from lockstep.torch.trainer import TorchTrainer
 
+TorchCheckpoint = removed_class(
+    "lockstep.torch.TorchCheckpoint",
+    "use lockstep.Checkpoint: torch.save(model.state_dict(), os.path.join(folder, 'model.pt')), then "
+    "lockstep.report(metrics, checkpoint=lockstep.Checkpoint.from_directory(folder)); to load, "
+    "`with checkpoint.as_directory() as folder: torch.load(os.path.join(folder, 'model.pt'))`.",
+)
+
 __all__ = [
+    "TorchCheckpoint",
     "TorchConfig",
     "TorchTrainer",
+    "accelerate",
+    "backward",
     "enable_reproducibility",
     "get_device",
     "get_devices",
     "move_to_device",
     "prepare_data_loader",
     "prepare_model",
+    "prepare_optimizer",
 ]

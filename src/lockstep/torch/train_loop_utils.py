@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from lockstep._internal.deprecated import removed_function
 from lockstep._internal.devices import cuda_visible_devices
 from lockstep.context import current_session
 
@@ -308,3 +309,13 @@ def enable_reproducibility(seed: int = 0) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+
+
+_AMP_INSTEAD = (
+    "use PyTorch's mixed precision directly: `with torch.autocast(device_type=lockstep.torch.get_device().type):` "
+    "around the forward pass and a `torch.amp.GradScaler()` for the loss "
+    "(`scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`), or Lightning / Accelerate."
+)
+accelerate = removed_function("lockstep.torch.accelerate", _AMP_INSTEAD)
+backward = removed_function("lockstep.torch.backward", "call loss.backward(), or with AMP " + _AMP_INSTEAD)
+prepare_optimizer = removed_function("lockstep.torch.prepare_optimizer", "use the optimizer as it is; for AMP " + _AMP_INSTEAD)

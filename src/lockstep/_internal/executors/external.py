@@ -33,7 +33,7 @@ from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.run_names import default_run_name
 from lockstep._internal.worker import run_to_outcome
-from lockstep.errors import TrainingFailedError
+from lockstep.errors import ControllerError, WorkerGroupError, error_class_named
 
 if TYPE_CHECKING:
     from lockstep._internal.driver import RunDriver
@@ -115,13 +115,14 @@ class ExternalExecutor(Executor):
         run's Result.
 
         Raises:
-            TrainingFailedError: this rank's train function failed, or (as rank 0 says) the run.
+            WorkerGroupError: this rank's train function failed, or (as rank 0 says) the run.
+            ControllerError: (as rank 0 says) the driver could not go on.
         """
         if self.launch_info.rank == 0:
             return self._drive_and_run_rank_0(job, driver)
         outcome, exit_code = self._run_rank(job)
         if exit_code != 0:
-            raise TrainingFailedError.from_failures([outcome.failure])
+            raise WorkerGroupError.from_failures([outcome.failure])
         await_end(self.launch_info, self.store)
         from lockstep.result import Result
 
@@ -282,12 +283,12 @@ def await_channel(launch: Launch, store: Any) -> dict[str, str]:
     """The environment that connects this rank to rank 0's channel.
 
     Raises:
-        TrainingFailedError: rank 0 could not start the run.
+        ControllerError: rank 0 could not start the run.
     """
     store.wait([launch.key("channel")], STORE_WAIT)
     entry = json.loads(store.get(launch.key("channel")).decode())
     if "error" in entry:
-        raise TrainingFailedError(f"The run could not start (rank 0 says): {entry['error']}")
+        raise ControllerError(f"The run could not start (rank 0 says): {entry['error']}")
     return {protocol.ENV_DRIVER_ADDRESS: entry["address"], protocol.ENV_AUTHKEY: entry["authkey"]}
 
 
@@ -300,9 +301,10 @@ def await_end(launch: Launch, store: Any) -> None:
     """The other ranks wait for rank 0's word on the run.
 
     Raises:
-        TrainingFailedError: the run failed.
+        TrainingFailedError: the run failed: the class rank 0's error had (WorkerGroupError or
+            ControllerError), without its per-rank failures, which rank 0 alone holds.
     """
     store.wait([launch.key("end")], STORE_WAIT)
     message = store.get(launch.key("end")).decode()
     if message:
-        raise TrainingFailedError(f"The run failed (rank 0 says): {message}")
+        raise error_class_named(message.split(":", 1)[0])(f"The run failed (rank 0 says): {message}")

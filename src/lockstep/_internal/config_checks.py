@@ -1,0 +1,145 @@
+"""Validation helpers of :mod:`lockstep.config`, among them those of the fields a Ray Train script
+may pass that lockstep has no use for, or that Ray Train V1 (``ray.air.config``) had: each is
+accepted where it means something here, or refused with a message that says what to use instead
+(never a bare ``TypeError``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from typing import Any
+
+
+def check_num_workers(num_workers: Any) -> None:
+    """``ScalingConfig.num_workers``: an int >= 0 (0: local mode) or a (min, max) pair."""
+    if isinstance(num_workers, (tuple, list)):
+        if len(num_workers) != 2 or not all(_is_int_at_least(count, 1) for count in num_workers) or num_workers[0] > num_workers[1]:
+            raise ValueError(
+                f"ScalingConfig.num_workers=(min, max) needs two ints with 1 <= min <= max, got {num_workers!r}; "
+                "for local mode (the train function in this process) pass num_workers=0."
+            )
+        return
+    if not _is_int_at_least(num_workers, 0):
+        raise ValueError(
+            f"ScalingConfig.num_workers must be an int >= 1, 0 for local mode (the train function in this "
+            f"process), or a (min, max) pair; got {num_workers!r} ({type(num_workers).__name__})."
+        )
+
+
+def _is_int_at_least(value: Any, least: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least
+
+
+def check_resources(field_name: str, resources: dict[str, float] | None) -> None:
+    """A ScalingConfig resources dict: string keys, numbers >= 0."""
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise ValueError(f"ScalingConfig.{field_name} must be a dict like {{'CPU': 1}}, got {resources!r}.")
+    for key, amount in resources.items():
+        if not isinstance(key, str):
+            raise ValueError(f"ScalingConfig.{field_name} keys must be strings, got {key!r}.")
+        if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or math.isnan(amount) or amount < 0:
+            raise ValueError(
+                f"ScalingConfig.{field_name}[{key!r}] must be a number >= 0, got {amount!r}."
+            )
+
+
+def check_ray_only_placement(label_selector: Any, use_tpu: Any, topology: Any) -> None:
+    """Refuse Ray Train's node-label and TPU placement, which lockstep has no equivalent of."""
+    if label_selector:
+        raise ValueError(
+            f"ScalingConfig.label_selector={label_selector!r} is not supported: lockstep places Ray workers by "
+            "resources only. Give the nodes you want a custom resource (ray start --resources='{\"pool_a\": 8}') "
+            "and ask for it: resources_per_worker={'CPU': 1, 'pool_a': 1}; or use accelerator_type=."
+        )
+    if use_tpu is not False:
+        raise ValueError(
+            f"ScalingConfig.use_tpu={use_tpu!r}: lockstep runs torch.distributed on CPUs or CUDA GPUs, "
+            "not TPUs. Drop use_tpu (use use_gpu=True for GPUs)."
+        )
+    if topology is not None:
+        raise ValueError(
+            f"ScalingConfig.topology={topology!r} is a TPU slice topology, and lockstep does not run on TPUs; "
+            "drop topology (use accelerator_type= to ask for a GPU type)."
+        )
+
+
+def check_fail_fast(fail_fast: Any, max_failures: Any) -> None:
+    """``FailureConfig(fail_fast=)``: for one run, "stop at the first failure" is max_failures=0."""
+    if fail_fast not in (False, True, "raise"):
+        raise ValueError(f"FailureConfig.fail_fast must be True, False or 'raise', got {fail_fast!r}.")
+    if fail_fast and max_failures != 0:
+        raise ValueError(
+            f"FailureConfig(fail_fast={fail_fast!r}, max_failures={max_failures!r}) contradict each other: for "
+            "one training run fail_fast means max_failures=0. Drop fail_fast and keep max_failures."
+        )
+
+
+def check_v1_checkpoint_fields(checkpoint_frequency: Any, checkpoint_at_end: Any) -> None:
+    """``CheckpointConfig(checkpoint_frequency=, checkpoint_at_end=)`` don't apply to a train
+    function (as in Ray Train): only their "off" values are accepted."""
+    if checkpoint_frequency not in (0, None):
+        raise ValueError(
+            f"CheckpointConfig.checkpoint_frequency={checkpoint_frequency!r} does not apply to a train function: "
+            "checkpoint where you want in it, e.g. every N epochs "
+            "`lockstep.report(metrics, checkpoint=lockstep.Checkpoint.from_directory(folder))`. "
+            "Drop checkpoint_frequency."
+        )
+    if checkpoint_at_end:
+        raise ValueError(
+            "CheckpointConfig.checkpoint_at_end=True does not apply to a train function: pass a checkpoint to "
+            "the last `lockstep.report(metrics, checkpoint=...)` of the train function instead. "
+            "Drop checkpoint_at_end."
+        )
+
+
+def storage_path_from_local_dir(storage_path: Any, local_dir: Any) -> Any:
+    """``RunConfig(local_dir=)`` (Ray Train V1) is ``storage_path``: the storage path to use."""
+    if local_dir is None:
+        return storage_path
+    local_dir = os.fspath(local_dir)
+    if storage_path is not None and os.fspath(storage_path) != local_dir:
+        raise ValueError(
+            f"RunConfig got storage_path={storage_path!r} and local_dir={local_dir!r}: local_dir is the old "
+            "name of storage_path. Pass storage_path only."
+        )
+    warnings.warn("RunConfig(local_dir=...) is the old name of storage_path=; use storage_path.",
+                  DeprecationWarning, stacklevel=4)
+    return local_dir
+
+
+def check_v1_run_fields(
+    stop: Any, log_to_file: Any, sync_config: Any, progress_reporter: Any, worker_runtime_env: Any
+) -> None:
+    """Refuse the RunConfig fields lockstep has no equivalent of, saying what to use."""
+    if stop is not None:
+        raise NotImplementedError(
+            f"RunConfig(stop={stop!r}) is not supported yet. End the train function yourself when the "
+            "condition holds, on every rank at the same report (e.g. after `lockstep.report(metrics)`, "
+            "`if metrics['loss'] < 0.1: break`), or bound the loop by epochs in train_loop_config."
+        )
+    if log_to_file not in (None, True, False):
+        raise ValueError(
+            f"RunConfig(log_to_file={log_to_file!r}): lockstep always writes each rank's output to "
+            "<storage_path>/<name>/logs/rank_<r>.log and cannot rename those files; drop log_to_file "
+            "(worker_output= chooses what the console shows)."
+        )
+    if sync_config is not None:
+        raise ValueError(
+            "RunConfig(sync_config=...): lockstep has no sync step, ranks write checkpoints straight to "
+            "storage_path (a local or shared folder, or a URI such as s3://bucket/prefix). Drop sync_config."
+        )
+    if progress_reporter is not None:
+        raise ValueError(
+            "RunConfig(progress_reporter=...) is Ray Tune's: lockstep shows its own progress line "
+            "(verbose=0 hides it); for your own reporting pass callbacks=[lockstep.callbacks.Callback subclass]."
+        )
+    if worker_runtime_env:
+        raise ValueError(
+            "RunConfig(worker_runtime_env=...) is not supported: on Ray give the runtime env to the whole "
+            "job, ray.init(runtime_env=...); local workers inherit this process's environment, so set "
+            "os.environ[...] before fit()."
+        )
