@@ -31,7 +31,7 @@ from lockstep._internal.report_barrier import ReportBarrier
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
-from lockstep.errors import TrainingFailedError
+from lockstep.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
@@ -105,13 +105,18 @@ class Controller:
         except KeyboardInterrupt:
             self._finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
             raise
-        except TrainingFailedError as error:
+        except (WorkerGroupError, ControllerError) as error:
             self._finish("failed", error)
             raise
+        except TrainingFailedError as error:
+            # the executor or a commit could not go on (placement, storage): the driver's failure
+            failure = ControllerError(str(error), error.failures, controller_failure=error)
+            self._finish("failed", failure)
+            raise failure from error
         except Exception as error:
-            failure = TrainingFailedError(
+            failure = ControllerError(
                 f"The driver could not go on: {type(error).__name__}: {error} "
-                f"(report #{self.recorder.next_report_index} was next)."
+                f"(report #{self.recorder.next_report_index} was next).", controller_failure=error,
             )
             self._finish("failed", failure)
             raise failure from error
@@ -134,7 +139,7 @@ class Controller:
 
     def _fail_or_go_on(self, attempt: Attempt) -> None:
         """Count the failed attempt; raise its error unless the policy allows a restart."""
-        error = TrainingFailedError.from_failures(attempt.liveness.failures, self._failure_context(), attempt.stacks)
+        error = WorkerGroupError.from_failures(attempt.liveness.failures, self._failure_context(), attempt.stacks)
         restarting = self.restart_policy.record(error)
         self.recorder.count_failure()
         self.listeners.on_failure(error, restarting)
