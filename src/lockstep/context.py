@@ -232,12 +232,27 @@ class WorkerSession:
         self._channel.send(protocol.Collective(self.context.world_rank, seq, op, data))
         return self._answer(protocol.CollectiveDone).data
 
-    def get_dataset_shard(self, name: str) -> Any:
-        """This rank's shard of the dataset passed as ``datasets={name: ...}``."""
-        if name not in self._datasets:
-            known = ", ".join(repr(key) for key in self._datasets) or "none"
-            raise KeyError(f"get_dataset_shard({name!r}): no such dataset; the trainer got: {known}.")
-        return self._datasets[name]
+    def get_dataset_shard(self, dataset_name: str | None = None) -> Any:
+        """This rank's shard of the dataset passed as ``datasets={dataset_name: ...}``; with no
+        name, of the only dataset passed. See :func:`get_dataset_shard`."""
+        from lockstep.data import RayDataShard, is_ray_data_iterator
+
+        name = self._dataset_name(dataset_name)
+        shard = self._datasets[name]
+        return RayDataShard(shard) if is_ray_data_iterator(shard) else shard
+
+    def _dataset_name(self, dataset_name: str | None) -> str:
+        known = ", ".join(repr(key) for key in self._datasets) or "none"
+        if dataset_name is None:
+            if len(self._datasets) != 1:
+                raise ValueError(
+                    f"get_dataset_shard() without a name needs exactly one dataset, but the trainer got: {known}; "
+                    "name the one you want, e.g. get_dataset_shard('train')."
+                )
+            return next(iter(self._datasets))
+        if dataset_name not in self._datasets:
+            raise KeyError(f"get_dataset_shard({dataset_name!r}): no such dataset; the trainer got: {known}.")
+        return dataset_name
 
 
 def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
@@ -404,7 +419,21 @@ def get_checkpoint() -> Checkpoint | None:
     return active_session("get_checkpoint").get_checkpoint()
 
 
-def get_dataset_shard(name: str) -> Any:
-    """This rank's shard of ``datasets[name]``: map-style datasets are split into equal,
-    disjoint parts, one per rank (see :class:`lockstep.data.DatasetShard`)."""
-    return active_session("get_dataset_shard").get_dataset_shard(name)
+def get_dataset_shard(dataset_name: str | None = None) -> Any:
+    """This rank's shard of ``datasets[dataset_name]``.
+
+    Map-style torch datasets are split into equal, disjoint parts, one per rank (a
+    :class:`lockstep.data.DatasetShard`); a ``ray.data.Dataset`` into streaming splits (Ray's
+    ``DataIterator``, see :class:`lockstep.data.RayDataShard`). Both are read with Ray Data's
+    ``iter_batches(...)`` / ``iter_torch_batches(...)`` arguments. Datasets left out of
+    ``DataConfig(datasets_to_split=...)`` come whole.
+
+    Args:
+        dataset_name: The key in the trainer's ``datasets=``; None (the default) when the
+            trainer got exactly one dataset.
+
+    Raises:
+        KeyError: the trainer got no dataset of that name.
+        ValueError: no name was given, and the trainer got no dataset or several.
+    """
+    return active_session("get_dataset_shard").get_dataset_shard(dataset_name)

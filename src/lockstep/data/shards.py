@@ -1,12 +1,14 @@
-"""Equal, disjoint shards of map-style datasets, one per rank."""
+"""Equal, disjoint shards of map-style datasets, one per rank, read like Ray Data's shards."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset, default_collate
+
+from lockstep.data import batching
 
 
 class DatasetShard(Dataset):
@@ -15,7 +17,15 @@ class DatasetShard(Dataset):
     items, and steps stay in lockstep).
 
     It is itself a map-style dataset (``len``, indexing), so it can go into a ``DataLoader``,
-    and it offers Ray Data's ``iter_batches`` / ``iter_torch_batches``.
+    and it is read as a Ray Data shard is: :meth:`iter_rows`, :meth:`iter_batches` and
+    :meth:`iter_torch_batches` take Ray Data's arguments, with the same meaning.
+
+    Example::
+
+        shard = lockstep.get_dataset_shard("train")
+        for epoch in range(3):
+            for images, labels in shard.iter_torch_batches(batch_size=64, local_shuffle_buffer_size=1000):
+                ...  # tensors on this worker's device
     """
 
     def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
@@ -37,41 +47,98 @@ class DatasetShard(Dataset):
             raise IndexError(f"index {index} out of range for a shard of {self.length} items")
         return self.dataset[self.start + index % self.length]
 
+    def iter_rows(self) -> Iterator[Any]:
+        """Yield the shard's items one by one, in order."""
+        for index in range(self.length):
+            yield self[index]
+
     def iter_batches(
         self,
         *,
-        batch_size: int = 256,
-        shuffle: bool = False,
-        seed: int | None = None,
+        prefetch_batches: int = 1,
+        batch_size: int | None = 256,
+        batch_format: str | None = "default",
         drop_last: bool = False,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
     ) -> Iterator[Any]:
-        """Yield batches of this shard, collated like a DataLoader does."""
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        loader = DataLoader(
-            self, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-            collate_fn=collate_fn, generator=generator,
+        """Yield batches of this shard.
+
+        Args:
+            prefetch_batches: How many batches a background thread makes ahead (0: none).
+            batch_size: Items per batch; None for the whole shard as one batch.
+            batch_format: ``"default"``: collated into tensors as a ``DataLoader`` does;
+                ``"numpy"``: the same with numpy arrays; None: the list of items.
+            drop_last: Leave out the last batch when it is smaller than ``batch_size``.
+            local_shuffle_buffer_size: Shuffle through a buffer of this many items (at least
+                ``batch_size``); None reads the shard in order.
+            local_shuffle_seed: Seed of that shuffle: the same order on every call; None: a
+                new order each time.
+
+        Raises:
+            ValueError: an unknown ``batch_format``, or a shuffle without ``batch_size``.
+        """
+        batching.check_batch_format(batch_format)
+        return self._batches(
+            prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed,
+            lambda items: batching.format_batch(items, batch_format),
         )
-        yield from loader
 
     def iter_torch_batches(
         self,
         *,
-        batch_size: int = 256,
-        shuffle: bool = False,
-        seed: int | None = None,
-        drop_last: bool = False,
+        prefetch_batches: int = 1,
+        batch_size: int | None = 256,
+        dtypes: torch.dtype | Mapping[str, torch.dtype] | None = None,
+        device: torch.device | str | Literal["auto"] | None = "auto",
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        device: torch.device | str | None = None,
+        drop_last: bool = False,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+        pin_memory: bool = False,
     ) -> Iterator[Any]:
-        """Like :meth:`iter_batches`, with each batch moved to ``device`` (default: this rank's device)."""
+        """Yield batches of tensors on ``device``.
+
+        Args:
+            prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size,
+                local_shuffle_seed: As for :meth:`iter_batches`.
+            dtypes: Cast the tensors: one dtype for all, or a dict of key -> dtype for dict
+                items. Not with ``collate_fn`` (cast inside it instead).
+            device: Where the batches go; ``"auto"`` (or None): this worker's device.
+            collate_fn: Turns a list of items into a batch (default: as a ``DataLoader``
+                does); the tensors in what it returns are moved to ``device``.
+            pin_memory: Put the batches in pinned memory before they are copied to the GPU
+                (ignored where there is no GPU).
+
+        Raises:
+            ValueError: both ``dtypes`` and ``collate_fn``; see also :meth:`iter_batches`.
+        """
         from lockstep.torch.train_loop_utils import get_device, move_to_device
 
-        target = torch.device(device) if device is not None else get_device()
-        for batch in self.iter_batches(
-            batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, collate_fn=collate_fn
-        ):
-            yield move_to_device(batch, target)
+        if collate_fn is not None and dtypes is not None:
+            raise ValueError(
+                "iter_torch_batches(): dtypes can't be used with collate_fn; cast the tensors inside collate_fn."
+            )
+        target = get_device() if device in ("auto", None) else torch.device(device)
+
+        def collate(items: list[Any]) -> Any:
+            batch = collate_fn(items) if collate_fn is not None else batching.cast_dtypes(default_collate(items), dtypes)
+            return batching.pin(batch) if pin_memory else batch
+
+        batches = self._batches(
+            prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, collate
+        )
+        return (move_to_device(batch, target, non_blocking=pin_memory) for batch in batches)
+
+    def _batches(
+        self, prefetch_batches: int, batch_size: int | None, drop_last: bool, shuffle_buffer_size: int | None,
+        shuffle_seed: int | None, collate: Callable[[list[Any]], Any],
+    ) -> Iterator[Any]:
+        """Batches of this shard, each made by ``collate`` from its items, fetched ahead."""
+        batching.check_batching(batch_size, shuffle_buffer_size)
+        rows = batching.row_order(self.length, shuffle_buffer_size, batch_size, shuffle_seed)
+        made = (collate(batching.items_of(self, indices)) for indices in batching.index_batches(rows, batch_size, drop_last))
+        return batching.prefetched(made, prefetch_batches)
 
 
 def shard_datasets(datasets: Mapping[str, Any], rank: int, world_size: int, split: Callable[[str], bool]) -> dict[str, Any]:

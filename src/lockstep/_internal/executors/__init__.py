@@ -12,6 +12,7 @@ the one place that picks one for a ``fit()``:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -20,6 +21,8 @@ from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec
 from lockstep._internal.protocol import ENV_DRIVER_ADDRESS
 from lockstep._internal.rank_env import LAUNCHER_VARIABLES
 from lockstep.config import ScalingConfig
+
+logger = logging.getLogger(__name__)
 
 
 def choose_executor(
@@ -45,6 +48,8 @@ def choose_executor(
         from lockstep._internal.executors import ray as ray_executor
 
         ray_executor.connect(scaling.ray_address)
+        if ray_datasets and scaling.executor == "auto" and scaling.ray_address is None:
+            logger.info("datasets %s are Ray Datasets: running on Ray (%s).", sorted(ray_datasets), _ray_instance())
         return ray_executor.RayExecutor(scaling, spec, ray_datasets, should_split)
     if ray_datasets:
         raise ValueError(
@@ -81,6 +86,18 @@ def _wants_ray(scaling: ScalingConfig, ray_datasets: Mapping[str, Any]) -> bool:
     if scaling.executor == "local":
         return False
     return scaling.wants_ray or bool(ray_datasets) or ray_is_initialized()
+
+
+def _ray_instance() -> str:
+    """Which Ray this process is connected to, in words: a local instance it started (as
+    creating a Ray Dataset does when ``ray.init()`` was not called), or a running cluster."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # private, hence the fallbacks
+    if getattr(node, "head", False):
+        return "a local Ray instance this process started"
+    address = getattr(node, "gcs_address", None)
+    return f"connected to the Ray cluster at {address}" if address else "connected to a running Ray cluster"
 
 
 def ray_is_initialized() -> bool:
