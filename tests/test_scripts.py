@@ -44,7 +44,7 @@ def test_script_failure_shows_the_script_path_and_line(tmp_path: Path) -> None:
         env={**os.environ, "SCRIPT_RUNS_FILE": str(tmp_path / "runs"), "FAIL_IN_TRAIN": "rank code"}, cwd=REPO_ROOT,
     )
     assert completed.returncode != 0
-    assert "TrainingFailedError: Training failed on rank" in completed.stderr
+    assert "WorkerGroupError: Training failed on rank" in completed.stderr
     assert f'File "{script}", line' in completed.stderr, completed.stderr
     assert 'raise RuntimeError("failing on purpose in " + os.environ["FAIL_IN_TRAIN"])' in completed.stderr
 
