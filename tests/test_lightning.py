@@ -26,6 +26,7 @@ from lockstep import CheckpointConfig, RunConfig, ScalingConfig
 from lockstep.lightning import (
     RayDDPStrategy,
     RayDeepSpeedStrategy,
+    RayFSDPStrategy,
     RayLightningEnvironment,
     RayTrainReportCallback,
     prepare_trainer,
@@ -37,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER_MODULES = {LIGHTNING: "lightning.pytorch", PYTORCH_LIGHTNING: "pytorch_lightning"}
 FEATURES, CLASSES = 8, 3
 TRAIN_BATCHES, EPOCHS = 4, 3
+STRATEGIES = {"ddp": RayDDPStrategy, "fsdp": RayFSDPStrategy}
 
 
 @functools.cache
@@ -97,7 +99,7 @@ def lightning_train_func(config: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=2,
         devices="auto",
         accelerator="auto",
-        strategy=RayDDPStrategy(),
+        strategy=STRATEGIES[config.get("strategy", "ddp")](),
         plugins=[RayLightningEnvironment()],
         callbacks=[RayTrainReportCallback()],
         enable_checkpointing=False,
@@ -119,9 +121,11 @@ def _gathered_view(pl: Any, trainer: Any, model: Any) -> dict[str, Any]:
         "strategy_is_package_ddp": isinstance(trainer.strategy, pl.strategies.DDPStrategy),
         "callback_is_package_callback": all(isinstance(cb, pl.Callback) for cb in trainer.callbacks),
         "trainer_module": type(trainer).__module__,
-        "backend": dist.get_backend(),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": str(trainer.strategy.root_device),
     }
+    if not dist.is_initialized():  # a single worker, whose group Lightning made and removed
+        return {"ranks": [mine]}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {"ranks": everyone}
@@ -187,6 +191,38 @@ def _check_reload(result: lockstep.Result, package: str, final_params: list[torc
     assert model.hparams.hidden == 16
     for loaded, trained in zip(model.parameters(), final_params):
         assert torch.equal(loaded.detach(), trained)
+
+
+@pytest.mark.timeout(120)
+def test_local_mode_leaves_no_process_group_behind(storage_path: str, tmp_path: Path) -> None:
+    rendezvous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    result = TorchTrainer(
+        lightning_train_func,
+        train_loop_config={"package": LIGHTNING, "root": str(tmp_path / "lightning_root")},
+        scaling_config=ScalingConfig(num_workers=0),
+        run_config=RunConfig(name="lit", storage_path=storage_path),
+    ).fit()
+    assert [report["step"] for report in result.metrics_history] == [4, 8, 12]
+    assert result.return_value["ranks"][0]["world"] == (1, 0, 0)
+    assert not dist.is_initialized()
+    assert {name: os.environ.get(name) for name in rendezvous} == rendezvous
+    _check_reload(result, LIGHTNING, final_params=result.return_value["ranks"][0]["params"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP needs an accelerator (torch refuses CPU)")
+def test_fsdp_on_one_gpu(storage_path: str, tmp_path: Path) -> None:
+    result = TorchTrainer(
+        lightning_train_func,
+        train_loop_config={"package": LIGHTNING, "root": str(tmp_path / "lightning_root"), "strategy": "fsdp"},
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=RunConfig(name="lit", storage_path=storage_path),
+    ).fit()
+    assert result.return_value["ranks"][0]["device"] == "cuda:0"
+    assert [report["epoch"] for report in result.metrics_history] == list(range(EPOCHS))
+    with result.checkpoint.as_directory() as folder:
+        model = lit_model_class(LIGHTNING).load_from_checkpoint(os.path.join(folder, "checkpoint.ckpt"))
+    assert [tuple(p.shape) for p in model.parameters()] == [(16, FEATURES), (16,), (CLASSES, 16), (CLASSES,)]
 
 
 def test_package_is_the_one_the_calling_code_uses(monkeypatch: pytest.MonkeyPatch) -> None:

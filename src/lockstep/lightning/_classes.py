@@ -109,18 +109,46 @@ class _LockstepParallel:
     def setup_environment(self) -> None:
         """Check that lockstep's process group is there, then let Lightning set up the rest."""
         _require_process_group(self.world_size)
+        # A single worker (lockstep's local mode) may have none: Lightning then makes one, which
+        # teardown() removes again, with the variables Lightning set for it.
+        self._lockstep_owned_group = None if _group_exists() else _rendezvous_variables()
         super().setup_environment()  # type: ignore[misc]
 
+    def teardown(self) -> None:
+        """Lightning's teardown; then remove a process group that Lightning made here."""
+        super().teardown()  # type: ignore[misc]
+        saved = getattr(self, "_lockstep_owned_group", None)
+        if saved is not None and _group_exists():
+            dist.destroy_process_group()
+            _restore(saved)
+        self._lockstep_owned_group = None
+
     def _get_process_group_backend(self) -> str:
-        if dist.is_available() and dist.is_initialized():
+        if _group_exists():
             return str(dist.get_backend())
         return super()._get_process_group_backend()  # type: ignore[misc]
+
+
+def _group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rendezvous_variables() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+def _restore(variables: dict[str, str | None]) -> None:
+    for name, value in variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _require_process_group(world_size: int) -> None:
     """With several workers, the process group must be lockstep's (a single one may let
     Lightning create its own)."""
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+    if world_size > 1 and not _group_exists():
         raise RuntimeError(
             f"lockstep's Lightning strategies run in a group of {world_size} workers, but no torch.distributed "
             "process group exists in this worker. Run the train function with lockstep.torch.TorchTrainer "
