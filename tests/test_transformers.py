@@ -231,3 +231,49 @@ def test_example_runs_offline(tmp_path: Path) -> None:
     reports = lockstep.Result.from_path(tmp_path / "results" / "example").metrics_history
     assert [report["step"] for report in reports] == [10, 20, 30, 40]
     assert all(0.3 < report["loss"] < 1.0 for report in reports), reports  # a per-worker mean, not scaled
+
+
+def train_on_ray_data_batches(config: dict[str, Any]) -> dict[str, Any]:
+    train_batches = lockstep.get_dataset_shard("train").iter_torch_batches(batch_size=4)
+    eval_batches = lockstep.get_dataset_shard("eval").iter_torch_batches(batch_size=8)
+    args = transformers.TrainingArguments(
+        output_dir=config["output_dir"], max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps",
+        save_steps=6, logging_steps=3, report_to="none", disable_tqdm=True,
+        per_device_train_batch_size=2,  # what the Trainer would re-batch to without prepare_trainer
+    )
+    trainer = transformers.Trainer(model=tiny_bert(), args=args, train_dataset=train_batches, eval_dataset=eval_batches)
+    trainer.add_callback(RayTrainReportCallback(report_on="evaluate"))
+    trainer = prepare_trainer(trainer)
+    sizes = [len(batch["labels"]) for batch in trainer.get_train_dataloader()]
+    trainer.train()
+    return {"batch_sizes": sizes, "global_step": trainer.state.global_step, "world_size": trainer.args.world_size}
+
+
+@pytest.mark.timeout(240)
+def test_prepare_trainer_takes_ray_data_batches_on_the_ray_executor(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    import numpy as np
+
+    def rows(size: int, seed: int) -> list[dict[str, Any]]:
+        data = RandomTokens(size, seed)
+        return [{"input_ids": data.input_ids[i].numpy(), "attention_mask": np.ones(SEQ, dtype=np.int64),
+                 "labels": int(data.labels[i])} for i in range(size)]
+
+    tag = os.environ.pop("LOCKSTEP_TEST_TAG")  # Ray's processes outlive the test's check; shut down below
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        os.environ["LOCKSTEP_TEST_TAG"] = tag
+    try:
+        datasets = {"train": ray.data.from_items(rows(64, 1)), "eval": ray.data.from_items(rows(16, 2))}
+        result = TorchTrainer(train_on_ray_data_batches, train_loop_config={"output_dir": str(tmp_path / "hf_output")},
+                              datasets=datasets, scaling_config=ScalingConfig(num_workers=2),
+                              run_config=RunConfig(storage_path=str(tmp_path / "results"))).fit()
+    finally:
+        ray.shutdown()
+    seen = result.return_value
+    assert seen["batch_sizes"] == [4] * 8, "each rank's 32 rows, in the shard's own batches of 4"
+    assert seen["global_step"] == 6 and seen["world_size"] == 2
+    assert [(report["step"], report["checkpoint_dir_name"] is not None) for report in result.metrics_history] == [
+        (3, False), (6, True)]
+    assert "eval_loss" in result.metrics_history[0]
