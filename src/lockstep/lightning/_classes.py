@@ -26,9 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import lockstep
 from lockstep.checkpoint import Checkpoint
-from lockstep.context import CheckpointUploadMode
+from lockstep.context import CheckpointUploadMode, get_context, report
 from lockstep.lightning._package import environments_module, trainer_module
 from lockstep.torch import get_device
 
@@ -182,19 +181,19 @@ class _LockstepEnvironment:
 
     def world_size(self) -> int:
         """The number of lockstep workers."""
-        return lockstep.get_context().get_world_size()
+        return get_context().get_world_size()
 
     def global_rank(self) -> int:
         """This worker's rank in the run."""
-        return lockstep.get_context().get_world_rank()
+        return get_context().get_world_rank()
 
     def local_rank(self) -> int:
         """This worker's rank on its node."""
-        return lockstep.get_context().get_local_rank()
+        return get_context().get_local_rank()
 
     def node_rank(self) -> int:
         """This worker's node."""
-        return lockstep.get_context().get_node_rank()
+        return get_context().get_node_rank()
 
     def set_world_size(self, size: int) -> None:
         """Ignored: the size is lockstep's (Lightning computes one from devices and nodes)."""
@@ -235,7 +234,7 @@ class _ReportEachEpoch:
         try:
             trainer.save_checkpoint(os.path.join(folder, self.CHECKPOINT_NAME), weights_only=False)
             checkpoint = Checkpoint.from_directory(folder)
-            lockstep.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=self.checkpoint_upload_mode)
+            report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=self.checkpoint_upload_mode)
             trainer.strategy.barrier()
         finally:
             if self.checkpoint_upload_mode is not CheckpointUploadMode.NO_UPLOAD:

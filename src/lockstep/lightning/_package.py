@@ -103,7 +103,10 @@ def packages_referenced(values: Iterable[Any]) -> set[str]:
     """The Lightning packages that these objects (modules, classes, functions, instances) come from."""
     found: set[str] = set()
     for value in values:
-        package = _package_of(value)
+        try:
+            package = _package_of(value)
+        except Exception:  # an object whose attribute lookup fails tells us nothing
+            continue
         if package is not None:
             found.add(package)
     return found
