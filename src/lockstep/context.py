@@ -235,11 +235,7 @@ class WorkerSession:
     def get_dataset_shard(self, dataset_name: str | None = None) -> Any:
         """This rank's shard of the dataset passed as ``datasets={dataset_name: ...}``; with no
         name, of the only dataset passed. See :func:`get_dataset_shard`."""
-        from lockstep.data import RayDataShard, is_ray_data_iterator
-
-        name = self._dataset_name(dataset_name)
-        shard = self._datasets[name]
-        return RayDataShard(shard) if is_ray_data_iterator(shard) else shard
+        return self._datasets[self._dataset_name(dataset_name)]
 
     def _dataset_name(self, dataset_name: str | None) -> str:
         known = ", ".join(repr(key) for key in self._datasets) or "none"

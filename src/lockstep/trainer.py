@@ -72,7 +72,7 @@ class DataParallelTrainer:
         self.dataset_config = dataset_config or DataConfig()
         self.metadata = dict(metadata or {})
         self.resume_from_checkpoint = resume_from_checkpoint
-        _check_datasets(self._torch_datasets, self.dataset_config, self.scaling_config.max_workers)
+        _check_datasets(self._torch_datasets, self.dataset_config, max(1, self.scaling_config.max_workers))
 
     def fit(self) -> Result:
         """Run the train function on every worker and wait for the run to end.

@@ -114,7 +114,7 @@ def run_rank(
 
     from lockstep._internal import protocol
     from lockstep.context import TrainContext, WorkerSession, set_session
-    from lockstep.data import shard_datasets
+    from lockstep.data import RayDataShard, shard_datasets
 
     torch.set_num_threads(rank_env.threads)
     job = load_job()
@@ -134,7 +134,7 @@ def run_rank(
         gpu_ids=rank_env.gpu_ids,
     )
     datasets = shard_datasets(job.datasets, context.world_rank, context.world_size, job.dataset_config.should_split)
-    datasets.update(extra_datasets or {})
+    datasets.update({name: RayDataShard(shard) for name, shard in (extra_datasets or {}).items()})
     session = WorkerSession(context, channel, start.first_report_index, starting_checkpoint(start, job), datasets,
                             start.used_dir_names)
     set_session(session)
