@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ def pairs(count: int) -> list[tuple[torch.Tensor, int]]:
     return [(torch.tensor([float(index)]), index) for index in range(count)]
 
 
-def labels(batches: Iterator[Any]) -> list[list[int]]:
+def labels(batches: Iterable[Any]) -> list[list[int]]:
     """The labels of each (features, labels) batch."""
     return [batch[1].tolist() for batch in batches]
 
@@ -43,6 +43,14 @@ def test_torch_shard_batches_drop_last_and_batch_size_none() -> None:
     assert labels(shard.iter_torch_batches(batch_size=4, drop_last=True)) == [[11, 12, 13, 14], [15, 16, 17, 18]]
     assert labels(shard.iter_batches(batch_size=None, drop_last=True)) == [list(range(11, 22))]
     assert [item[1] for item in shard.iter_rows()] == list(range(11, 22))
+
+
+def test_torch_shard_batches_can_be_read_again_as_rays_can() -> None:
+    shard = DatasetShard(pairs(22), rank=1, world_size=2)
+    for batches in (shard.iter_batches(batch_size=4), shard.iter_torch_batches(batch_size=4, prefetch_batches=2)):
+        assert labels(batches) == labels(batches) == [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21]]
+    unseeded = shard.iter_batches(batch_size=2, local_shuffle_buffer_size=11)
+    assert len({str(labels(unseeded)) for _ in range(4)}) > 1, "each pass without a seed is a new order"
 
 
 def test_torch_shard_local_shuffle_is_a_seeded_permutation_of_the_shard() -> None:
@@ -98,7 +106,7 @@ def test_a_broken_dataset_raises_where_its_batch_is_read() -> None:
                 raise RuntimeError("item 5 is unreadable")
             return super().__getitem__(index)
 
-    batches = DatasetShard(Broken(range(8)), 0, 1).iter_batches(batch_size=2, prefetch_batches=2)
+    batches = iter(DatasetShard(Broken(range(8)), 0, 1).iter_batches(batch_size=2, prefetch_batches=2))
     assert next(batches).tolist() == [0, 1]
     with pytest.raises(RuntimeError, match="item 5 is unreadable"):
         list(batches)

@@ -191,3 +191,14 @@ def _put(ready: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
 def items_of(dataset: Sequence[Any], indices: list[int]) -> list[Any]:
     """The items of ``dataset`` at ``indices``."""
     return [dataset[index] for index in indices]
+
+
+class Batches:
+    """An iterable of batches that can be read more than once: each pass calls ``make`` for a
+    fresh iterator (so a shuffle without a seed gives a new order each pass)."""
+
+    def __init__(self, make: Callable[[], Iterator[Any]]) -> None:
+        self._make = make
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._make()

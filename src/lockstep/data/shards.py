@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Literal
 
 import torch
@@ -61,8 +61,9 @@ class DatasetShard(Dataset):
         drop_last: bool = False,
         local_shuffle_buffer_size: int | None = None,
         local_shuffle_seed: int | None = None,
-    ) -> Iterator[Any]:
-        """Yield batches of this shard.
+    ) -> Iterable[Any]:
+        """The batches of this shard: an iterable that can be read again (each pass makes the
+        batches anew), as Ray's is.
 
         Args:
             prefetch_batches: How many batches a background thread makes ahead (0: none).
@@ -79,10 +80,11 @@ class DatasetShard(Dataset):
             ValueError: an unknown ``batch_format``, or a shuffle without ``batch_size``.
         """
         batching.check_batch_format(batch_format)
-        return self._batches(
+        batching.check_batching(batch_size, local_shuffle_buffer_size)
+        return batching.Batches(lambda: self._batches(
             prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed,
             lambda items: batching.format_batch(items, batch_format),
-        )
+        ))
 
     def iter_torch_batches(
         self,
@@ -96,8 +98,9 @@ class DatasetShard(Dataset):
         local_shuffle_buffer_size: int | None = None,
         local_shuffle_seed: int | None = None,
         pin_memory: bool = False,
-    ) -> Iterator[Any]:
-        """Yield batches of tensors on ``device``.
+    ) -> Iterable[Any]:
+        """The batches as tensors on ``device``: an iterable that can be read again, as
+        :meth:`iter_batches`'s.
 
         Args:
             prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size,
@@ -125,17 +128,21 @@ class DatasetShard(Dataset):
             batch = collate_fn(items) if collate_fn is not None else batching.cast_dtypes(default_collate(items), dtypes)
             return batching.pin(batch) if pin_memory else batch
 
-        batches = self._batches(
-            prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, collate
-        )
-        return (move_to_device(batch, target, non_blocking=pin_memory) for batch in batches)
+        batching.check_batching(batch_size, local_shuffle_buffer_size)
+
+        def batches_on_device() -> Iterator[Any]:
+            batches = self._batches(
+                prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, collate
+            )
+            return (move_to_device(batch, target, non_blocking=pin_memory) for batch in batches)
+
+        return batching.Batches(batches_on_device)
 
     def _batches(
         self, prefetch_batches: int, batch_size: int | None, drop_last: bool, shuffle_buffer_size: int | None,
         shuffle_seed: int | None, collate: Callable[[list[Any]], Any],
     ) -> Iterator[Any]:
         """Batches of this shard, each made by ``collate`` from its items, fetched ahead."""
-        batching.check_batching(batch_size, shuffle_buffer_size)
         rows = batching.row_order(self.length, shuffle_buffer_size, batch_size, shuffle_seed)
         made = (collate(batching.items_of(self, indices)) for indices in batching.index_batches(rows, batch_size, drop_last))
         return batching.prefetched(made, prefetch_batches)
