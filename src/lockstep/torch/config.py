@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -11,9 +10,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from lockstep._internal.rank_env import ENV_STORE_PREFIX
 from lockstep.backend import BackendConfig
 from lockstep.context import TrainContext
+from lockstep.torch.process_group import join_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +39,6 @@ def parse_backend(backend: str) -> dict[str, str]:
     return {device: name for device, name in pairs}
 
 
-def _prefixed_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """With LOCKSTEP_STORE_PREFIX set (under torchrun, whose store outlives a restart of the
-    group), the rendezvous store at MASTER_ADDR:MASTER_PORT seen under that prefix, so that a
-    restarted group never reads the addresses its predecessor left there."""
-    prefix = os.environ.get(ENV_STORE_PREFIX)
-    if not prefix:
-        return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(prefix, client)
-
-
 @dataclass
 class TorchConfig(BackendConfig):
     """Settings of the torch.distributed process group.
@@ -62,11 +50,15 @@ class TorchConfig(BackendConfig):
             CPU workers only the ``cpu:`` backend is used.
         init_method: ``"env"`` (MASTER_ADDR/MASTER_PORT variables) or ``"tcp"`` (a tcp:// URL).
         timeout_s: Seconds a collective may wait before it fails.
+        start_timeout_s: Seconds a rank waits for the others to join the process group at the
+            start (a lockstep addition): a rank that can't reach the others fails after this
+            long, saying what it advertised, instead of waiting ``timeout_s``.
     """
 
     backend: str | None = None
     init_method: Literal["env", "tcp"] = "env"
     timeout_s: int = 1800
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.backend is not None:
@@ -75,8 +67,10 @@ class TorchConfig(BackendConfig):
             parse_backend(self.backend)
         if self.init_method not in INIT_METHODS:
             raise ValueError(f"TorchConfig.init_method={self.init_method!r} must be 'env' or 'tcp'.")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"TorchConfig.timeout_s must be a number of seconds > 0, got {self.timeout_s!r}.")
+        for name in ("timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"TorchConfig.{name} must be a number of seconds > 0, got {value!r}.")
 
     def resolved_backend(self, use_gpu: bool) -> str:
         """The backend to use: the one given, else nccl with GPUs and gloo without. Per-device
@@ -106,17 +100,8 @@ class TorchConfig(BackendConfig):
             from lockstep.torch.train_loop_utils import get_device
 
             torch.cuda.set_device(get_device())
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = _prefixed_store(timeout) if self.init_method == "env" else None
-        if store is not None:
-            dist.init_process_group(backend=backend, store=store, rank=context.world_rank,
-                                    world_size=context.world_size, timeout=timeout)
-        else:
-            init_method = "env://" if self.init_method == "env" else (
-                f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-            dist.init_process_group(backend=backend, init_method=init_method, rank=context.world_rank,
-                                    world_size=context.world_size, timeout=timeout)
-        logger.debug("rank %d joined the %s process group", context.world_rank, backend)
+        join_process_group(backend, self.init_method, context.world_rank, context.world_size,
+                           self.start_timeout_s, self.timeout_s)
 
     def on_worker_shutdown(self) -> None:
         """Leave the process group and release cached GPU memory."""
