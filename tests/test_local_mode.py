@@ -181,8 +181,6 @@ def read_dataset_shard() -> int:
     return len(lockstep.get_dataset_shard("train"))
 
 
-@pytest.mark.xfail(raises=ZeroDivisionError, reason="trainer._check_datasets divides by num_workers=0 "
-                   "(fix: check against max(1, max_workers)); trainer.py is not this change's file")
 def test_a_torch_dataset_is_the_only_ranks_whole_shard(storage_path: str) -> None:
     data = TensorDataset(torch.arange(10.0))
     result = _trainer(read_dataset_shard, storage_path, "shard", datasets={"train": data}).fit()
