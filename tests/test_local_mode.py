@@ -261,7 +261,7 @@ def iterate_ray_shard() -> list[float]:
 def test_a_ray_dataset_is_handed_over_whole(storage_path: str) -> None:
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # not a cluster others run here
     try:
         dataset = ray.data.from_items([{"x": float(value)} for value in range(10)])
         result = _trainer(iterate_ray_shard, storage_path, "ray_data", datasets={"train": dataset}).fit()
@@ -286,3 +286,15 @@ def collectives_and_reported_checkpoints() -> dict:
 def test_collectives_and_reported_checkpoints_work_in_local_mode(storage_path: str) -> None:
     result = _trainer(collectives_and_reported_checkpoints, storage_path, "collectives").fit()
     assert result.return_value == {"token": {"token": 7}, "reported": [(0, 0), (1, 1)]}
+
+
+def device_seen() -> list[str]:
+    return [str(lockstep.torch.get_device()), str(next(prepare_model(nn.Linear(2, 2)).parameters()).device)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_with_use_gpu_the_device_is_the_current_gpu(storage_path: str) -> None:
+    result = TorchTrainer(device_seen, scaling_config=ScalingConfig(num_workers=0, use_gpu=True),
+                          run_config=RunConfig(name="gpu", storage_path=storage_path)).fit()
+    expected = f"cuda:{torch.cuda.current_device()}"
+    assert result.return_value == [expected, expected]
