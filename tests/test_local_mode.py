@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -298,3 +299,37 @@ def test_with_use_gpu_the_device_is_the_current_gpu(storage_path: str) -> None:
                           run_config=RunConfig(name="gpu", storage_path=storage_path)).fit()
     expected = f"cuda:{torch.cuda.current_device()}"
     assert result.return_value == [expected, expected]
+
+
+INTERRUPTED_SCRIPT = '''
+import sys, time
+import lockstep
+from lockstep import RunConfig, ScalingConfig
+from lockstep.torch import TorchTrainer
+
+def train_func():
+    lockstep.report({"step": 0})
+    print("READY", flush=True)
+    while True:
+        time.sleep(0.05)
+
+TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
+             run_config=RunConfig(name="sigint", storage_path=sys.argv[1], verbose=0)).fit()
+'''
+
+
+def test_sigint_interrupts_the_train_function_and_fit_raises_keyboard_interrupt(tmp_path: Path) -> None:
+    script = tmp_path / "sigint.py"
+    script.write_text(INTERRUPTED_SCRIPT)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode != 0 and stderr.rstrip().endswith("KeyboardInterrupt"), stderr
+    record = json.loads((tmp_path / "results" / "sigint" / "lockstep_run.json").read_text())
+    assert record["status"] == "failed"
