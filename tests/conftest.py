@@ -7,8 +7,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from hosts import HostNetwork
 
 TEST_TAG = f"LOCKSTEP_TEST_TAG={uuid.uuid4().hex}"
 os.environ["LOCKSTEP_TEST_TAG"] = TEST_TAG.split("=", 1)[1]
@@ -76,3 +80,17 @@ def s3_env() -> Iterator[dict[str, str]]:
         finally:
             restore_env(previous)
             s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[HostNetwork]:
+    """Two test hosts for one test module: network namespaces on one private subnet, each with
+    its own address (see tests/hosts.py); every process on them is killed, and the namespaces
+    and links deleted, at the end. Skipped where namespaces can't be made (not root, no ``ip``)."""
+    from hosts import HostNetwork, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"test hosts (network namespaces) unavailable: {reason}")
+    with HostNetwork(2) as network:
+        yield network
