@@ -19,6 +19,7 @@ process ran it.
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -85,4 +86,7 @@ if __name__ == "__main__":
                           scaling_config=ScalingConfig(num_workers=args.num_workers),
                           run_config=RunConfig(name=None if args.default_name else "torchrun",
                                                storage_path=args.storage_path, verbose=0)).fit()
-    print(f"RANK {os.environ['RANK']} PID {os.getpid()} RESULT {json.dumps(describe(result))}", flush=True)
+    # One write of the whole line (newline included): the ranks share torchrun's stdout, and a
+    # print() of an unbuffered stream writes the text and its newline apart, so lines could mix.
+    sys.stdout.write(f"RANK {os.environ['RANK']} PID {os.getpid()} RESULT {json.dumps(describe(result))}\n")
+    sys.stdout.flush()
