@@ -17,7 +17,7 @@ import torch
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep.context import WorkerSession
+from lockstep._internal.worker_session import WorkerSession
 from lockstep.data import DatasetShard
 from lockstep.torch import TorchTrainer
 

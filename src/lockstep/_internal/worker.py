@@ -1,7 +1,7 @@
 """The worker runtime, and the worker process: ``python -m lockstep._internal.worker``.
 
 A rank connects back to the driver, loads its job, learns where the attempt starts, joins the
-process group, runs the train function under a :class:`~lockstep.context.WorkerSession`, reports the outcome and exits.
+process group, runs the train function under a :class:`~lockstep._internal.worker_session.WorkerSession`, reports the outcome and exits.
 It dies with the driver: if the driver is killed, the kernel kills this process too.
 """
 
@@ -113,7 +113,8 @@ def run_rank(
     import torch
 
     from lockstep._internal import protocol
-    from lockstep.context import TrainContext, WorkerSession, set_session
+    from lockstep._internal.worker_session import WorkerSession
+    from lockstep.context import TrainContext, set_session
     from lockstep.data import RayDataShard, shard_datasets
 
     torch.set_num_threads(rank_env.threads)
@@ -138,6 +139,7 @@ def run_rank(
     session = WorkerSession(context, channel, start.first_report_index, starting_checkpoint(start, job), datasets,
                             start.used_dir_names)
     set_session(session)
+    pass  # DISABLED os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces
     job.backend_config.on_worker_start(context, job.use_gpu)
     try:
         value = call_train_fn(job.train_fn, job.train_loop_config)
