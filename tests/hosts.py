@@ -213,6 +213,37 @@ class HostNetwork:
         assert not links, f"links left: {links}"
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process descended from ``pid`` now (children first found, any depth)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop()
+        found.append(child)
+        queue.extend(children.get(child, []))
+    return found
+
+
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``process`` and every process descended from it (a launcher's workers may sit
+    in sessions of their own), and reap ``process``."""
+    for pid in [*descendants(process.pid), process.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
 def free_port(host: Host) -> int:
     """A TCP port that is free on ``host`` (each host has its own ports)."""
     found = host.run([sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('', 0)); "

@@ -13,8 +13,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lockstep._internal import network
+
 ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
 ENV_STORE_PREFIX = "LOCKSTEP_STORE_PREFIX"
+ENV_NODE_ADDR = "LOCKSTEP_NODE_ADDR"
 #: The variables a launcher such as torchrun sets in every process it starts.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -38,6 +41,9 @@ class RankEnv:
             joins it as a client (torchrun's ``TORCHELASTIC_USE_AGENT_STORE``).
         store_prefix: A key prefix for the process group in that store (under torchrun, whose
             store outlives a restart of the group).
+        node_addr: The address at which the other ranks reach this rank's node (Ray: the
+            node's IP; torchrun: the local address that reaches MASTER_ADDR). None: loopback
+            when MASTER_ADDR is loopback, else unknown.
     """
 
     world_rank: int
@@ -52,6 +58,7 @@ class RankEnv:
     gpu_ids: tuple[str, ...] = ()
     store_is_hosted: bool = True
     store_prefix: str | None = None
+    node_addr: str | None = None
 
     def variables(self) -> dict[str, str]:
         """The environment variables that say all of this."""
@@ -74,7 +81,21 @@ class RankEnv:
         env.update(self._accelerate_variables())
         if self.store_prefix:
             env[ENV_STORE_PREFIX] = self.store_prefix
+        if self.node_addr:
+            env[ENV_NODE_ADDR] = self.node_addr
         return env
+
+    def socket_variables(self, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` naming the interface that holds this
+        rank's node address, so that the process group advertises an address the other ranks
+        reach whatever the hostname resolves to; those ``environ`` sets already are left out
+        (the user's choice wins). Interfaces are a host's own: call this in the rank's process.
+        Empty for a rank alone in its group, or when the node address is unknown or no
+        interface here holds it."""
+        if self.world_size < 2:
+            return {}
+        address = self.node_addr or (network.LOOPBACK if network.is_loopback(self.master_addr) else None)
+        return network.socket_variables(address, environ) if address else {}
 
     def _accelerate_variables(self) -> dict[str, str]:
         """What Hugging Face Accelerate (and the transformers Trainer) read to find this rank's
@@ -106,6 +127,7 @@ class RankEnv:
             gpu_ids=tuple(item for item in environ.get(ENV_GPU_IDS, "").split(",") if item),
             store_is_hosted=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             store_prefix=environ.get(ENV_STORE_PREFIX) or None,
+            node_addr=environ.get(ENV_NODE_ADDR) or None,
         )
 
 

@@ -139,7 +139,7 @@ def run_rank(
     session = WorkerSession(context, channel, start.first_report_index, starting_checkpoint(start, job), datasets,
                             start.used_dir_names)
     set_session(session)
-    pass  # DISABLED os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces
+    os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces
     job.backend_config.on_worker_start(context, job.use_gpu)
     try:
         value = call_train_fn(job.train_fn, job.train_loop_config)

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from lockstep._internal import protocol
+from lockstep._internal import network, protocol
 from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.rank_env import RankEnv
@@ -56,8 +56,13 @@ class Launch:
 
     @classmethod
     def from_environ(cls) -> Launch:
-        """The launch the launcher's variables describe."""
-        return cls(RankEnv.from_environ(os.environ), os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        """The launch the launcher's variables describe; this node's address is the local one
+        that reaches MASTER_ADDR (see :func:`lockstep._internal.network.own_address`)."""
+        rank_env = RankEnv.from_environ(os.environ)
+        if rank_env.node_addr is None:
+            multi_node = rank_env.world_size > rank_env.local_world_size
+            rank_env = replace(rank_env, node_addr=network.own_address(rank_env.master_addr, rank_env.master_port, multi_node))
+        return cls(rank_env, os.environ.get("TORCHELASTIC_RUN_ID", "none"),
                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     @property
@@ -265,8 +270,9 @@ def shared_run_name(launch: Launch, store: Any, trainer_name: str) -> str:
 
 
 def publish_host(launch: Launch) -> str:
-    """The address other ranks use to reach rank 0's channel."""
-    return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.rank_env.master_addr
+    """The address other ranks use to reach rank 0's channel: ``LOCKSTEP_EXTERNAL_HOST`` when
+    set, else rank 0's node address (which reaches MASTER_ADDR), else MASTER_ADDR."""
+    return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.rank_env.node_addr or launch.rank_env.master_addr
 
 
 def publish_channel(launch: Launch, store: Any, group: ExternalGroup | None = None, error: str | None = None) -> None:

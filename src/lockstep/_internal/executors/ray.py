@@ -120,7 +120,7 @@ def rank_env(ranks: list[RankPlace], rank: RankPlace, master_port: int, cpus: fl
         world_rank=rank.world_rank, world_size=len(ranks), local_rank=rank.local_rank,
         local_world_size=rank.local_world_size, node_rank=rank.node_rank, master_addr=ranks[0].place.node_ip,
         master_port=master_port, threads=threads_for(cpus), visible_gpus=tuple(dict.fromkeys(node_gpus)) if use_gpu else None,
-        gpu_ids=rank.place.gpu_ids if use_gpu else (), store_is_hosted=False,
+        gpu_ids=rank.place.gpu_ids if use_gpu else (), store_is_hosted=False, node_addr=rank.place.node_ip,
     )
 
 
