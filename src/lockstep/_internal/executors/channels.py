@@ -121,11 +121,14 @@ class ChannelGroup(WorkerGroup):
         return self._relayed(events), ready_others
 
     def _relayed(self, events: list[Any]) -> list[Any]:
-        """Hand the ranks' Output messages to the relay; return the other events."""
+        """Hand the ranks' Output messages to the relay; return the other events. (A Hello
+        tells the relay which ranks to expect lines from.)"""
         others = []
         for event in events:
             if not isinstance(event, protocol.Output):
                 others.append(event)
+                if isinstance(event, protocol.Hello) and self._output is not None:
+                    self._output.expect(event.rank)
             elif self._output is not None:
                 self._output.write(event.rank, event.data, event.is_stderr)
         return others
