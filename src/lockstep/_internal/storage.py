@@ -18,6 +18,7 @@ run deletes it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -218,7 +219,9 @@ class RunStorage:
             os.makedirs(self.run_path, exist_ok=True)
             temporary = f"{target}.{uuid.uuid4().hex}.tmp"
             with open(temporary, "w", encoding="utf-8") as handle:
-                handle.write(data)
+                handle.write(data[: len(data) // 2])
+                _crash_test_gate(handle)
+                handle.write(data[len(data) // 2 :])
             os.replace(temporary, target)
         else:
             if not is_object_store(self.filesystem):
@@ -247,6 +250,24 @@ class RunStorage:
             return []
         with self.filesystem.open(target, "r", encoding="utf-8") as handle:
             return [json.loads(line) for line in _complete_lines(handle)]
+
+
+CRASH_TEST_GATE = "LOCKSTEP_TEST_RECORD_WRITE_GATE"
+_record_writes = itertools.count(1)
+
+
+def _crash_test_gate(handle: Any) -> None:
+    """A test-only pause in the middle of a record write (tests/test_crash_safety.py kills the
+    driver there). With ``LOCKSTEP_TEST_RECORD_WRITE_GATE="<n>:<fifo>"``, the n-th record write of
+    this process flushes its first half to disk, then reads ``<fifo>``, which blocks until the
+    test closes its end. Unset (always, outside that test), it does nothing."""
+    gate = os.environ.get(CRASH_TEST_GATE)
+    if gate is None or next(_record_writes) != int(gate.split(":", 1)[0]):
+        return
+    handle.flush()
+    os.fsync(handle.fileno())
+    with open(gate.split(":", 1)[1], encoding="utf-8") as fifo:
+        fifo.read()
 
 
 def _complete_lines(handle: Any) -> Iterator[str]:
