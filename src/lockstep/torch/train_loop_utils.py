@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from lockstep._internal.deprecated import removed_function
 from lockstep._internal.devices import cuda_visible_devices
 from lockstep.context import current_session
+from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,12 @@ def prepare_data_loader(
     A ``DistributedSampler`` is added only when there is more than one worker, the loader has
     no distributed sampler yet and its dataset is not an ``IterableDataset``. Shuffling is kept
     (a ``SequentialSampler`` stays in order, anything else shuffles) and so is every other
-    setting of the loader. Call ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle.
+    setting of the loader.
+
+    A loader over a ``DistributedSampler`` (added here or the caller's own) comes back as a
+    :class:`~lockstep.torch.data_order.ResumableDataLoader`: each new pass uses the sampler's
+    next epoch unless ``loader.sampler.set_epoch(epoch)`` chose one, and ``state_dict()`` /
+    ``load_state_dict()`` save and restore the epoch and the position in it.
 
     Args:
         data_loader: The loader, with the per-worker batch size.
@@ -146,15 +152,25 @@ def prepare_data_loader(
         move_to_device: Move each batch to :func:`get_device` (a no-op on CPU).
         auto_transfer: On CUDA, copy the next batch on a side stream while the current one trains.
     """
-    rank, world_size = _world()
-    if add_dist_sampler and world_size > 1 and _needs_sampler(data_loader):
-        data_loader = _with_distributed_sampler(data_loader, rank, world_size)
-    elif _reproducible_seed is not None and data_loader.batch_size is not None:
-        data_loader = DataLoader(data_loader.dataset, sampler=data_loader.sampler, **_loader_settings(data_loader))
+    data_loader = _sharded(data_loader, add_dist_sampler)
     device = get_device()
     if move_to_device and device.type != "cpu":
         return DeviceDataLoader(data_loader, device, auto_transfer=auto_transfer)
     return data_loader
+
+
+def _sharded(loader: DataLoader, add_dist_sampler: bool) -> DataLoader:
+    """``loader`` with this worker's share of the data, resumable where it has a DistributedSampler."""
+    rank, world_size = _world()
+    if isinstance(loader, ResumableDataLoader):
+        return loader
+    if add_dist_sampler and world_size > 1 and _needs_sampler(loader):
+        return _with_distributed_sampler(loader, rank, world_size)
+    if _resumable_as_it_is(loader):
+        return ResumableDataLoader(loader.dataset, sampler=loader.sampler, **_loader_settings(loader))
+    if _reproducible_seed is not None and loader.batch_size is not None:
+        return DataLoader(loader.dataset, sampler=loader.sampler, **_loader_settings(loader))
+    return loader
 
 
 def _needs_sampler(loader: DataLoader) -> bool:
@@ -173,6 +189,13 @@ def _needs_sampler(loader: DataLoader) -> bool:
     return True
 
 
+def _resumable_as_it_is(loader: DataLoader) -> bool:
+    """Whether ``loader`` already samples with a DistributedSampler and can be rebuilt as a
+    ResumableDataLoader (a plain DataLoader, batched by batch_size or not batched)."""
+    default_batching = loader.batch_size is not None or loader.batch_sampler is None
+    return type(loader) is DataLoader and isinstance(loader.sampler, DistributedSampler) and default_batching
+
+
 def _with_distributed_sampler(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
         logger.warning(
@@ -180,10 +203,10 @@ def _with_distributed_sampler(loader: DataLoader, rank: int, world_size: int) ->
             "pass add_dist_sampler=False to keep it.", type(loader.sampler).__name__,
         )
     shuffle = not isinstance(loader.sampler, SequentialSampler)
-    sampler = DistributedSampler(
+    sampler = EpochTrackingSampler(
         loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=_reproducible_seed or 0
     )
-    return DataLoader(loader.dataset, sampler=sampler, **_loader_settings(loader))
+    return ResumableDataLoader(loader.dataset, sampler=sampler, **_loader_settings(loader))
 
 
 def _loader_settings(loader: DataLoader) -> dict[str, Any]:
@@ -219,6 +242,7 @@ class DeviceDataLoader:
         self._loader = loader
         self._device = device
         self._prefetch = auto_transfer and device.type == "cuda"
+        self._held = 0  # batches taken from the loader but not yet handed out (copy-ahead)
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -226,8 +250,19 @@ class DeviceDataLoader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's epoch and position (see ResumableDataLoader), not counting a batch that
+        is being copied ahead."""
+        if not isinstance(self._loader, ResumableDataLoader):
+            raise AttributeError(
+                f"state_dict: this prepared loader ({type(self._loader).__name__}) is not sharded with a "
+                "DistributedSampler, so it has no resumable position."
+            )
+        return self._loader.state_dict(held_back=self._held)
+
     def __iter__(self) -> Iterator[Any]:
         if self._prefetch:
+            self._held = 0
             return self._iter_prefetching()
         return (move_to_device(batch, self._device) for batch in self._loader)
 
@@ -246,8 +281,10 @@ class DeviceDataLoader:
         pending = None
         for batch in self._loader:
             ready, pending = pending, start_copy(batch)
+            self._held = 1
             if ready is not None:
                 yield _handed_to(*ready, main_stream)
+        self._held = 0
         if pending is not None:
             yield _handed_to(*pending, main_stream)
 
