@@ -37,6 +37,12 @@ def loader_for(rank: int = 0, **settings: object) -> ResumableDataLoader:
     return ResumableDataLoader(dataset, sampler=sampler, **settings)
 
 
+def saved_position(epoch: int, batches: int, num_replicas: int = 2) -> dict[str, object]:
+    """A state_dict() as a loader of ``num_replicas`` workers saves it mid-epoch."""
+    return {"epoch": epoch, "batches_yielded": batches, "pass_finished": False,
+            "num_replicas": num_replicas, "batch_size": BATCH}
+
+
 def one_pass(loader: object) -> list[int]:
     return [int(item) for batch in loader for item in torch.as_tensor(batch).reshape(-1)]
 
@@ -77,7 +83,9 @@ def test_callers_own_distributed_sampler_advances_too() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("num_workers", "persistent", "drop_last"), [(0, False, False), (2, False, True), (2, True, False)])
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "drop_last"), [(0, False, False), (2, False, True), (2, True, False)]
+)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_state_dict_resumes_mid_epoch_exactly(rank: int, num_workers: int, persistent: bool, drop_last: bool) -> None:
     settings = {"num_workers": num_workers, "persistent_workers": persistent, "drop_last": drop_last}
@@ -113,7 +121,7 @@ def test_skipped_batches_are_never_loaded() -> None:
     dataset = CountingDataset()
     sampler = EpochTrackingSampler(dataset, num_replicas=2, rank=0, seed=0)
     loader = ResumableDataLoader(dataset, sampler=sampler, batch_size=BATCH)
-    loader.load_state_dict({"epoch": 2, "batches_yielded": 5, "pass_finished": False, "num_replicas": 2, "batch_size": BATCH})
+    loader.load_state_dict(saved_position(epoch=2, batches=5))
     rest = one_pass(loader)
     assert rest == reference_order(2)[5 * BATCH:]
     assert dataset.loaded == rest
@@ -121,7 +129,8 @@ def test_skipped_batches_are_never_loaded() -> None:
 
 def test_unbatched_loader_resumes_by_sample() -> None:
     loader = loader_for(batch_size=None)
-    seen = [int(next(iter_ := iter(loader)))] + [int(next(iter_)) for _ in range(2)]
+    samples = iter(loader)
+    seen = [int(next(samples)) for _ in range(3)]
     restarted = loader_for(batch_size=None)
     restarted.load_state_dict(loader.state_dict())
     assert seen + [int(item) for item in restarted] == reference_order(0)
@@ -156,7 +165,7 @@ def test_set_epoch_after_loading(caplog: pytest.LogCaptureFixture) -> None:
 def test_other_world_size_restarts_the_epoch(caplog: pytest.LogCaptureFixture) -> None:
     loader = loader_for()
     with caplog.at_level(logging.WARNING):
-        loader.load_state_dict({"epoch": 2, "batches_yielded": 5, "pass_finished": False, "num_replicas": 4, "batch_size": BATCH})
+        loader.load_state_dict(saved_position(epoch=2, batches=5, num_replicas=4))
     assert one_pass(loader) == reference_order(2)
     assert "saved position is for 4 workers" in caplog.text
 
@@ -177,8 +186,14 @@ def test_held_back_batch_is_not_counted_as_seen() -> None:
 RUN_SAMPLES, RUN_BATCH, EPOCHS = 48, 4, 2  # 6 batches per rank and epoch
 
 
+def run_loader() -> ResumableDataLoader:
+    """What a train function prepares: a shuffling loader with two loader worker processes."""
+    dataset = list(range(RUN_SAMPLES))
+    return prepare_data_loader(DataLoader(dataset, batch_size=RUN_BATCH, shuffle=True, num_workers=2))
+
+
 def passes_without_set_epoch() -> list[object]:
-    loader = prepare_data_loader(DataLoader(list(range(RUN_SAMPLES)), batch_size=RUN_BATCH, shuffle=True, num_workers=2))
+    loader = run_loader()
     mine = [[int(item) for batch in loader for item in batch] for _ in range(3)]
     gathered: list[object] = [None] * 2
     dist.all_gather_object(gathered, mine)
@@ -219,7 +234,7 @@ def _report(rank: int, epoch: int, loader: ResumableDataLoader, seen: dict[str, 
 def train_and_fail_mid_epoch(config: dict) -> None:
     rank = lockstep.get_context().get_world_rank()
     attempt = "second" if Path(config["marker"]).exists() else "first"
-    loader = prepare_data_loader(DataLoader(list(range(RUN_SAMPLES)), batch_size=RUN_BATCH, shuffle=True, num_workers=2))
+    loader = run_loader()
     start, seen = _restore(rank, loader)
     log = Path(config["logs"], f"{attempt}_rank{rank}.jsonl")
     for epoch in range(start, EPOCHS):  # no set_epoch: the loader moves on by itself
@@ -251,8 +266,9 @@ def test_restart_mid_epoch_sees_each_sample_once(storage_path: str, tmp_path: Pa
             assert saved["seen"][str(epoch)] == reference_order(epoch, rank, RUN_SAMPLES), (rank, epoch)
         second = [json.loads(line) for line in (tmp_path / f"second_rank{rank}.jsonl").read_text().splitlines()]
         assert [entry["epoch"] for entry in second] == [1] * 4, "the second attempt starts inside epoch 1"
-        assert [i for entry in second for i in entry["ids"]] == reference_order(1, rank, RUN_SAMPLES)[2 * RUN_BATCH:]
+        second_ids = [i for entry in second for i in entry["ids"]]
+        assert second_ids == reference_order(1, rank, RUN_SAMPLES)[2 * RUN_BATCH:]
     first_rank1 = (tmp_path / "first_rank1.jsonl").read_text().splitlines()
     assert len(first_rank1) == 6 + 3, "rank 1 saw one batch past its last checkpoint before failing"
-    epoch_one = [json.loads(Path(result.checkpoint.path, f"rank{rank}.json").read_text())["seen"]["1"] for rank in range(2)]
-    assert sorted(epoch_one[0] + epoch_one[1]) == list(range(RUN_SAMPLES))
+    saved = [json.loads(Path(result.checkpoint.path, f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(saved[0]["seen"]["1"] + saved[1]["seen"]["1"]) == list(range(RUN_SAMPLES))
