@@ -206,3 +206,54 @@ def test_driver_killed_while_writing_the_record_on_s3(s3_env: dict[str, str]) ->
     assert resumed["metrics"] == {"step": STEPS - 1, "start": 1}, "the rerun did not continue from checkpoint_000000"
     record = json.loads(store.cat_file("runs/crash-safety/crash/lockstep_run.json"))
     assert record["status"] == "finished" and resumed["checkpoint"].endswith(record["latest_checkpoint"])
+
+
+LOADER_JOB = str(SCRIPTS / "dataloader_workers_job.py")
+GONE_WITHIN_S = 5.0
+
+
+def assert_gone_soon(pids: list[int], since: float) -> None:
+    """Every process in ``pids`` has exited within GONE_WITHIN_S of ``since``."""
+    alive = pids
+    while (alive := [pid for pid in alive if Path(f"/proc/{pid}").exists()]) and time.monotonic() < since + GONE_WITHIN_S:
+        time.sleep(0.05)
+    assert alive == [], f"DataLoader worker processes {alive} still running {GONE_WITHIN_S} s after the run ended"
+
+
+def loader_pids(marks: Path) -> list[int]:
+    return [int(mark.name) for mark in marks.iterdir()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["finish", "fail"])
+def test_dataloader_workers_are_gone_after_the_run_ends_or_fails(tmp_path: Path, mode: str) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    driver = start_driver([LOADER_JOB, str(tmp_path / "results"), str(marks), mode])
+    stdout, stderr = driver.communicate(timeout=100)
+    ended = time.monotonic()
+    if mode == "finish":
+        assert driver.returncode == 0 and "FINISHED" in stdout, stderr
+    else:
+        assert driver.returncode != 0 and "planned failure with the loader's workers running" in stderr
+    pids = loader_pids(marks)
+    assert len(pids) >= 4, f"expected two loader workers on each of two ranks, saw {pids}"
+    assert_gone_soon(pids, ended)
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_are_gone_after_ctrl_c(tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run = tmp_path / "results" / "loader-forever"
+    driver = start_driver([LOADER_JOB, str(tmp_path / "results"), str(marks), "forever"])
+    deadline = time.monotonic() + 90
+    while len(loader_pids(marks)) < 4:
+        assert driver.poll() is None and time.monotonic() < deadline, f"the loaders never started: {driver.communicate()}"
+        time.sleep(0.05)
+    pids = loader_pids(marks)
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=30)
+    assert driver.returncode != 0 and "KeyboardInterrupt" in stderr
+    assert_gone_soon(pids, time.monotonic())
+    assert json.loads((run / "lockstep_run.json").read_text())["status"] == "interrupted"
