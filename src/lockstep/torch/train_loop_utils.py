@@ -190,8 +190,7 @@ def _needs_sampler(loader: DataLoader) -> bool:
 
 
 def _resumable_as_it_is(loader: DataLoader) -> bool:
-    """Whether ``loader`` already samples with a DistributedSampler and can be rebuilt as a
-    ResumableDataLoader (a plain DataLoader, batched by batch_size or not batched)."""
+    """A plain DataLoader over a DistributedSampler, batched by batch_size or not at all."""
     default_batching = loader.batch_size is not None or loader.batch_sampler is None
     return type(loader) is DataLoader and isinstance(loader.sampler, DistributedSampler) and default_batching
 
@@ -254,10 +253,7 @@ class DeviceDataLoader:
         """The loader's epoch and position (see ResumableDataLoader), not counting a batch that
         is being copied ahead."""
         if not isinstance(self._loader, ResumableDataLoader):
-            raise AttributeError(
-                f"state_dict: this prepared loader ({type(self._loader).__name__}) is not sharded with a "
-                "DistributedSampler, so it has no resumable position."
-            )
+            raise AttributeError("state_dict: this loader has no DistributedSampler, so no resumable position.")
         return self._loader.state_dict(held_back=self._held)
 
     def __iter__(self) -> Iterator[Any]:
