@@ -30,17 +30,20 @@ from lockstep.context import (
     get_checkpoint,
     get_context,
     get_dataset_shard,
+    get_preemption_info,
     report,
 )
 from lockstep.errors import (
     ControllerError,
     NCCLHangError,
+    PreemptionError,
     SessionNotActiveError,
     TrainingFailedError,
     WorkerError,
     WorkerFailure,
     WorkerGroupError,
 )
+from lockstep.preemption import PreemptionInfo
 from lockstep.result import Result
 
 __version__ = "0.1.0"
@@ -69,6 +72,8 @@ __all__ = [
     "FailureConfig",
     "LoggingConfig",
     "NCCLHangError",
+    "PreemptionError",
+    "PreemptionInfo",
     "ReportedCheckpoint",
     "ReportedCheckpointStatus",
     "Result",
@@ -86,6 +91,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
+    "get_preemption_info",
     "report",
     "session",
 ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +54,34 @@ def open_run(run: str, storage_path: str) -> StoredRun:
     )
 
 
+def shown_status(record: dict[str, Any]) -> str:
+    """The run's status as recorded, except ``lost`` for a ``running`` run whose driver was on
+    this host and is gone (killed with SIGKILL, or its machine restarted): no code of it can
+    still mark the run. A driver on another host can't be checked from here."""
+    status = str(record.get("status", "?"))
+    driver = record.get("driver") or {}
+    if status == "running" and driver.get("host") == socket.gethostname() and not process_alive(driver.get("pid")):
+        return "lost"
+    return status
+
+
+def process_alive(pid: Any) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user counts)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # nothing to check against: don't call it lost
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs no code
+    except (OSError, IndexError):
+        return True
+
+
 # -- text ---------------------------------------------------------------------------------------
 
 
@@ -62,7 +92,7 @@ def runs_table(runs: list[StoredRun]) -> str:
         reports = run.read_reports()
         last_metrics = reports[-1]["metrics"] if reports else None
         rows.append((
-            record.get("name", run.name), record.get("status", "?"), str(len(reports)),
+            record.get("name", run.name), shown_status(record), str(len(reports)),
             metrics_text(last_metrics, limit=60) if last_metrics else "-", str(len(record.get("checkpoints", []))),
             run.display_path,
         ))
@@ -77,7 +107,7 @@ def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
     lines = [
         f"run:          {record.get('name', run.name)}",
         f"path:         {run.display_path}",
-        f"status:       {record.get('status', '?')}",
+        f"status:       {shown_status(record)}",
         f"created:      {record.get('created_at', '?')}   last update: {record.get('updated_at', '-')}",
         f"workers:      {record.get('world_size', '?')} ({record.get('executor', 'local')} executor)",
         f"reports:      {len(result.metrics_history)}   failures: {result.num_failures}",
@@ -188,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             found = find_runs(args.storage)
             if args.json:
                 for run, record in found:
-                    print(json.dumps({**record, "path": run.display_path}))
+                    print(json.dumps({**record, "status": shown_status(record), "path": run.display_path}))
             else:
                 print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
         elif args.command == "show":

@@ -147,6 +147,11 @@ class ScalingConfig:
         return float(self.worker_resources.get("GPU", 0.0)) if self.use_gpu else 0.0
 
 
+#: How long a run goes on after a preemption notice to reach its next checkpoint (fits
+#: Kubernetes' default 30 s grace period).
+DEFAULT_PREEMPTION_GRACE_S = 25.0
+
+
 @dataclass
 class FailureConfig:
     """What to do when a worker fails.
@@ -159,14 +164,35 @@ class FailureConfig:
         fail_fast: Ray Train V1's (Tune's) "stop at the first failure". For one run that is
             ``max_failures=0``, so ``fail_fast=True`` (or ``"raise"``) is accepted with
             ``max_failures=0`` and refused with a ValueError otherwise.
+        preemption_grace_s: After a preemption notice (SIGTERM to the driver or to a rank),
+            how long training may go on to reach its next committed checkpoint before the run
+            stops anyway (status ``preempted``). The default, 25 s, fits inside Kubernetes'
+            default 30 s termination grace period with time to stop; raise it together with the
+            platform's own (``terminationGracePeriodSeconds``, Slurm's ``--signal``).
+        max_preemption_failures: Ray Train's budget of preemption restarts. Accepted for
+            compatibility: in lockstep a preemption ends ``fit()`` with a PreemptionError (the
+            machine is going away); running the same command again continues the run, and a
+            preemption never counts against ``max_failures``.
     """
 
     max_failures: int = 0
     report_timeout_s: float | None = 1800.0
     fail_fast: bool | str = False
+    preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S
+    max_preemption_failures: int = -1
 
     def __post_init__(self) -> None:
         config_checks.check_fail_fast(self.fail_fast, self.max_failures)
+        if isinstance(self.preemption_grace_s, bool) or not isinstance(self.preemption_grace_s, (int, float)) \
+                or self.preemption_grace_s < 0:
+            raise ValueError(
+                f"FailureConfig.preemption_grace_s must be a number of seconds >= 0, got {self.preemption_grace_s!r}."
+            )
+        if isinstance(self.max_preemption_failures, bool) or not isinstance(self.max_preemption_failures, int) \
+                or self.max_preemption_failures < -1:
+            raise ValueError(
+                f"FailureConfig.max_preemption_failures must be an int >= 0, or -1; got {self.max_preemption_failures!r}."
+            )
         if self.report_timeout_s is not None and (
             isinstance(self.report_timeout_s, bool) or not isinstance(self.report_timeout_s, (int, float))
             or self.report_timeout_s <= 0

@@ -1,5 +1,6 @@
 """What a train function calls: ``report()``, ``get_context()`` (a :class:`TrainContext`),
-``get_checkpoint()``, ``get_dataset_shard()``, ``get_all_reported_checkpoints()``. Each asks
+``get_checkpoint()``, ``get_dataset_shard()``, ``get_all_reported_checkpoints()``,
+``get_preemption_info()``. Each asks
 this process's worker session (:mod:`lockstep._internal.worker_session`).
 
 These functions work only inside a train function that lockstep runs; elsewhere they raise
@@ -25,6 +26,7 @@ from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointSta
 if TYPE_CHECKING:
     from lockstep._internal.checkpoint_upload import UploadFn
     from lockstep._internal.worker_session import WorkerSession
+    from lockstep.preemption import PreemptionInfo
 
 
 class CheckpointUploadMode(enum.Enum):
@@ -197,6 +199,25 @@ def get_all_reported_checkpoints(
 def get_context() -> TrainContext:
     """This rank's :class:`TrainContext` (world rank, world size, local rank, …)."""
     return active_session("get_context").context
+
+
+def get_preemption_info() -> PreemptionInfo | None:
+    """The run's preemption notice, or ``None`` while there is none (Ray Train 2.60's name).
+
+    A SIGTERM to the driver or to a rank's process is a notice: every rank learns of it at its
+    next ``report()`` (the same report on every rank, so ranks agree without talking), and the
+    run stops once a checkpoint is committed after it, within
+    ``FailureConfig.preemption_grace_s``. Report a checkpoint soon after a notice to lose
+    nothing.
+
+    Example:
+        >>> for step in range(steps):                                  # doctest: +SKIP
+        ...     train_step()
+        ...     notice = lockstep.get_preemption_info()
+        ...     checkpoint = save(step) if notice is not None or step % 1000 == 0 else None
+        ...     lockstep.report({"step": step}, checkpoint=checkpoint)
+    """
+    return active_session("get_preemption_info").preemption_info
 
 
 def get_checkpoint() -> Checkpoint | None:

@@ -7,6 +7,8 @@ precisely one of its two kinds:
   collective); ``.worker_failures`` maps each failed rank to a :class:`WorkerError`.
 - :class:`ControllerError`: the driver itself could not go on (the workers could not be placed,
   the run record could not be written, ...).
+- :class:`PreemptionError`: the run stopped after a preemption notice (SIGTERM); run the same
+  command again to continue from its latest checkpoint.
 
 Example:
     >>> import lockstep
@@ -22,7 +24,10 @@ from __future__ import annotations
 import builtins
 import pickle
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from lockstep.preemption import PreemptionInfo
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,36 @@ class ControllerError(TrainingFailedError):
         return (type(self), (self.args[0], self.failures, _picklable(self.controller_failure)))
 
 
+class PreemptionError(TrainingFailedError):
+    """The run stopped because its machine (or a rank's) is being taken away: a SIGTERM came,
+    lockstep trained on to the next committed checkpoint (or until
+    ``FailureConfig.preemption_grace_s`` ran out, or a second SIGTERM) and stopped. The run
+    record says ``preempted``; running the same command again continues from the latest
+    checkpoint, and the preemption is not counted as a failure.
+
+    Args:
+        message: What happened, for humans.
+        preemption_info: The notice: which ranks, on which hosts, and the deadline.
+        drain_timed_out: True when the run stopped before a checkpoint was committed after the
+            notice (the grace ran out, a second SIGTERM came, or a preempted rank died).
+
+    Attributes:
+        preemption_info: As passed (``None`` where only the message crossed, e.g. on a
+            torchrun rank other than 0 that heard of the preemption from rank 0 alone).
+        drain_timed_out: As passed.
+    """
+
+    def __init__(
+        self, message: str, preemption_info: PreemptionInfo | None = None, drain_timed_out: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.preemption_info = preemption_info
+        self.drain_timed_out = drain_timed_out
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (type(self), (self.args[0], self.preemption_info, self.drain_timed_out))
+
+
 def _picklable(error: BaseException | None) -> BaseException | None:
     """``error`` if it survives pickling, else a RuntimeError that says what it was."""
     if error is None:
@@ -230,7 +265,7 @@ def _picklable(error: BaseException | None) -> BaseException | None:
 def error_class_named(name: str) -> type[TrainingFailedError]:
     """The :class:`TrainingFailedError` class called ``name`` (as a run record or another rank
     names it), or :class:`TrainingFailedError` itself for any other name."""
-    classes = {cls.__name__: cls for cls in (WorkerGroupError, NCCLHangError, ControllerError)}
+    classes = {cls.__name__: cls for cls in (WorkerGroupError, NCCLHangError, ControllerError, PreemptionError)}
     return classes.get(name, TrainingFailedError)
 
 

@@ -9,6 +9,10 @@ of its ranks. Whatever happens is told to the run's :class:`Listeners`.
 
 Each rank that says Hello is told where the attempt starts (:class:`protocol.Start`): the next
 report index and the run's latest checkpoint, as the run record has them when the group starts.
+
+A preemption notice (see :mod:`lockstep._internal.preemption`) is told to every rank with the
+next ReportDone; the run stops as ``preempted`` once a checkpoint is committed after it, when
+the grace runs out, or at a second notice, without counting a failure.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from lockstep._internal.executors.base import GroupFactory, WorkerExited, Worker
 from lockstep._internal.failures import AttemptOutcome
 from lockstep._internal.listeners import Listeners
 from lockstep._internal.liveness import Liveness, RestartPolicy
+from lockstep._internal.preemption import HangUp, Preemption, PreemptionStop
 from lockstep._internal.report_barrier import ReportBarrier
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
-from lockstep.errors import ControllerError, TrainingFailedError, WorkerGroupError
+from lockstep.config import DEFAULT_PREEMPTION_GRACE_S
+from lockstep.errors import ControllerError, PreemptionError, TrainingFailedError, WorkerGroupError
 from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,8 @@ class Controller:
             ``resume_from_checkpoint`` while the run has no checkpoint of its own.
         report_timeout_s: How long ranks may wait in a ``report()`` for the others.
         listeners: Who hears about the run (log lines, progress line, callbacks); none if omitted.
+        preemption: Where preemption notices are kept; one with ``FailureConfig``'s default
+            grace if omitted.
     """
 
     def __init__(
@@ -83,12 +91,14 @@ class Controller:
         has_resume_checkpoint: bool = False,
         report_timeout_s: float | None = None,
         listeners: Listeners | None = None,
+        preemption: Preemption | None = None,
     ) -> None:
         self.make_group = make_group
         self.recorder = recorder
         self.restart_policy = RestartPolicy(max_failures)
         self.has_resume_checkpoint = has_resume_checkpoint
         self.report_timeout_s = report_timeout_s
+        self.preemption = preemption or Preemption(DEFAULT_PREEMPTION_GRACE_S)
         storage = recorder.storage
         self.listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
 
@@ -105,6 +115,16 @@ class Controller:
         except KeyboardInterrupt:
             self._finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
             raise
+        except HangUp as hangup:
+            self._finish("interrupted", TrainingFailedError(f"The run was interrupted: {hangup}."))
+            raise
+        except PreemptionStop:
+            preempted = self.preemption.error(self._latest_name())
+            self._finish("preempted", preempted)
+            raise preempted from None
+        except PreemptionError as error:
+            self._finish("preempted", error)
+            raise
         except (WorkerGroupError, ControllerError) as error:
             self._finish("failed", error)
             raise
@@ -120,6 +140,9 @@ class Controller:
             )
             self._finish("failed", failure)
             raise failure from error
+        except BaseException as error:  # SystemExit & co. (e.g. from a callback): the record must still end
+            self._finish("failed", ControllerError(f"The driver stopped: {type(error).__name__}: {error}."))
+            raise
 
     def _run_attempts(self) -> Result:
         number = 1
@@ -129,6 +152,8 @@ class Controller:
                 number, self.make_group.size_now(), reason, self.recorder.latest_checkpoint,
                 len(self.failure_history), self.restart_policy.max_failures,
             ))
+            if self.preemption.noticed and attempt.outcome is not AttemptOutcome.SUCCEEDED:
+                raise self.preemption.error(self._latest_name())
             if attempt.outcome is AttemptOutcome.SUCCEEDED:
                 assert not attempt.commits.pending, f"uploads still pending after every rank finished: {attempt.commits.pending}"
                 self._finish("finished")
@@ -148,6 +173,7 @@ class Controller:
 
     def _finish(self, status: str, error: TrainingFailedError | None = None) -> None:
         """Record how the run ended, and tell the listeners (also when recording it failed)."""
+        self.preemption.finishing = True
         try:
             self.recorder.finish(status, error)
         finally:
@@ -155,6 +181,10 @@ class Controller:
 
     def _latest_entry(self) -> CheckpointEntry | None:
         return self.recorder.checkpoints[-1] if self.recorder.checkpoints else None
+
+    def _latest_name(self) -> str | None:
+        latest = self._latest_entry()
+        return latest.dir_name if latest is not None else None
 
     def _start_message(self) -> protocol.Start:
         """Where the ranks of a new group start: after the last report, from the latest checkpoint."""
@@ -176,18 +206,25 @@ class Controller:
         group = self.make_group(start.world_size)
         try:
             group.start()
-            while attempt.outcome is None:
-                for event in group.wait_events(attempt.barrier.time_to_deadline()):
+            while attempt.outcome is None and not self.preemption.stops_now:
+                for event in group.wait_events(self._time_to_deadline(attempt)):
                     self._handle(event, attempt, group)
                 if not attempt.liveness.failures:
                     attempt.liveness.fail(attempt.barrier.overdue())
-            if attempt.outcome is AttemptOutcome.FAILED:
+            if self.preemption.stops_now:
+                self.preemption.finishing = True  # no signal may interrupt the stop
+            if attempt.outcome is AttemptOutcome.FAILED and not self.preemption.noticed:
                 attempt.stacks = group.dump_stacks(attempt.liveness.still_running())
         finally:
             group.stop()
         if attempt.outcome is not AttemptOutcome.SUCCEEDED:
             self.recorder.discard_uncommitted(attempt.commits.written_dir_names)
         return attempt
+
+    def _time_to_deadline(self, attempt: Attempt) -> float | None:
+        """How long to wait for events: until the report barrier's or the preemption's deadline."""
+        deadlines = [left for left in (attempt.barrier.time_to_deadline(), self.preemption.time_left()) if left is not None]
+        return min(deadlines, default=None)
 
     def _handle(self, event: Any, attempt: Attempt, group: WorkerGroup) -> None:
         if isinstance(event, protocol.Report):
@@ -206,6 +243,8 @@ class Controller:
             self._on_finished(event, attempt, group)
         elif isinstance(event, protocol.Failed):
             attempt.liveness.fail([event.failure])
+        elif isinstance(event, protocol.PreemptionNotice):
+            self.preemption.notice(event.host, [event.rank], event.urgent)
         elif isinstance(event, WorkerExited):
             attempt.liveness.exit(event, group.output_tail)
             self.listeners.on_workers_changed(attempt.liveness.alive)
@@ -236,7 +275,8 @@ class Controller:
         latest = self._latest_entry()
         changed = latest if latest != attempt.latest_sent else None
         attempt.latest_sent = latest
-        done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed))
+        done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed), self.preemption.message(),
+                                   self.preemption.stops_now)
         for rank in range(attempt.world_size):
             group.send(rank, done)
 
@@ -300,4 +340,5 @@ class Controller:
             latest = self.recorder.latest_checkpoint
             assert latest is not None, f"{pending.dir_name} was committed but is not the latest checkpoint"
             self.listeners.on_checkpoint(index, latest)
+            self.preemption.committed()
             attempt.liveness.grow_if(self.make_group.can_grow)

@@ -1,6 +1,8 @@
 """The driver: what the process that drives a run does, whichever executor starts its ranks.
 It checks the storage, opens the run record, builds the run's listeners and the controller,
-and runs the controller to a Result."""
+and runs the controller to a Result. While it drives the run on the main thread, SIGTERM is a
+preemption notice and SIGHUP ends the run as interrupted (see
+:mod:`lockstep._internal.preemption`): either way the run record ends in a final status."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 from lockstep._internal.controller import Controller
 from lockstep._internal.executors.base import GroupFactory
 from lockstep._internal.listeners import listeners_for
+from lockstep._internal.preemption import Preemption, driver_signals
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
 from lockstep._internal.worker_output import ConsoleMode
@@ -60,12 +63,14 @@ class RunDriver:
         return Controller(
             make_group, recorder, failure_config.max_failures if restarts else 0, self.has_resume_checkpoint,
             failure_config.report_timeout_s, listeners_for(self.run_config, run_info),
+            Preemption(failure_config.preemption_grace_s),
         )
 
     def drive(self, controller: Controller) -> Result:
         """Run ``controller`` to the end of the run; the logs go to storage either way."""
         try:
-            return controller.run()
+            with driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))):
+                return controller.run()
         finally:
             self.storage.upload_logs(self.log_dir)
 

@@ -120,6 +120,16 @@ class Output:
 
 
 @dataclass(frozen=True)
+class PreemptionNotice:
+    """A rank's process got SIGTERM on ``host`` (``urgent``: a second one, stop at once). Sent
+    from a thread the rank's signal handler starts, at any time."""
+
+    rank: int
+    host: str
+    urgent: bool = False
+
+
+@dataclass(frozen=True)
 class Finished:
     """The train function returned; rank 0 sends its pickled return value."""
 
@@ -156,13 +166,24 @@ class Start:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """The run's preemption notice, as ranks learn it (the fields of ``lockstep.PreemptionInfo``)."""
+
+    deadline_ms: int | None
+    node_to_ranks: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ReportDone:
     """Every rank has made report ``index`` and it is recorded. ``new_latest_checkpoint`` is
     the newest committed checkpoint's record entry when it changed since the previous
-    ReportDone, else None."""
+    ReportDone, else None. ``preempted`` is the preemption notice once there is one; with
+    ``stop``, the run stops here (preempted) and ``report()`` does not return."""
 
     index: int
     new_latest_checkpoint: CheckpointEntry | None = None
+    preempted: Preempted | None = None
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,8 +210,9 @@ def checkpoint_ref(entry: CheckpointEntry | None) -> CheckpointEntry | None:
 
 MESSAGE_TYPES: dict[str, type] = {
     kind.__name__: kind
-    for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output, Finished,
-                 Failed, Start, ReportDone, CollectiveDone, ReportedCheckpoints, WorkerFailure, CheckpointEntry)
+    for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output,
+                 PreemptionNotice, Finished, Failed, Start, Preempted, ReportDone, CollectiveDone, ReportedCheckpoints,
+                 WorkerFailure, CheckpointEntry)
 }
 TYPE_KEY = "~type"
 BYTES_KEY = "~bytes"

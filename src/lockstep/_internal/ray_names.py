@@ -85,11 +85,13 @@ RAY_TRAIN: dict[str, NameStatus] = {
     "ValidationConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
     "ValidationFn": _absent("validate in the train function (or on rank 0) and report the metrics"),
     "ValidationTaskConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
-    "PreemptionError": _absent("lockstep does not watch for node preemption: a preempted worker is a WorkerDied "
-                               "failure (a WorkerGroupError), restarted from the latest checkpoint within "
-                               "FailureConfig(max_failures=...)"),
-    "PreemptionInfo": _absent("see PreemptionError"),
-    "get_preemption_info": _absent("see PreemptionError; checkpoint regularly instead"),
+    "PreemptionError": _provided("lockstep.PreemptionError", "a SIGTERM to the driver or to a rank is the notice; "
+                                 "the run stops after its next committed checkpoint and fit() raises this; "
+                                 "run the command again to continue (not counted as a failure). Ray node "
+                                 "drains are not watched"),
+    "PreemptionInfo": _provided("lockstep.PreemptionInfo", "node ids are hostnames"),
+    "get_preemption_info": _provided("lockstep.get_preemption_info", "no extra barrier: every rank learns the "
+                                     "notice at the same report()"),
 }
 
 RAY_TRAIN_TORCH: dict[str, NameStatus] = {

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import socket
 import time
 from dataclasses import asdict
 from typing import Any
@@ -69,7 +71,8 @@ class RunRecorder:
             )
         else:
             self.record = {"format_version": RECORD_FORMAT_VERSION, "name": self.storage.name, "created_at": _now()}
-        self.record.update(status="running", world_size=self.world_size, executor=self.executor, error=None)
+        self.record.update(status="running", world_size=self.world_size, executor=self.executor, error=None,
+                           driver={"host": socket.gethostname(), "pid": os.getpid()})
         self._write_record()
         removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
         if removed:
@@ -135,9 +138,12 @@ class RunRecorder:
         self._write_record()
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
-        """Mark the run finished, failed or interrupted. When storage itself is what failed,
-        this is logged rather than raised, so the run's own error stays the one the user sees."""
+        """Mark the run finished, failed, interrupted or preempted (a preemption is counted in
+        ``num_preemptions``, never as a failure). When storage itself is what failed, this is
+        logged rather than raised, so the run's own error stays the one the user sees."""
         self.record.update(status=status, error=error_to_record(error))
+        if status == "preempted":
+            self.record["num_preemptions"] = int(self.record.get("num_preemptions", 0)) + 1
         try:
             self._log.close()
             self._write_record()

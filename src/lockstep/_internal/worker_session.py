@@ -14,6 +14,7 @@ from lockstep._internal.checkpoint_upload import CheckpointUploader, Upload, Upl
 from lockstep._internal.storage import RESERVED_NAMES
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, TrainContext
+from lockstep.preemption import PreemptionInfo
 from lockstep.reported_checkpoint import ReportedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class WorkerSession:
         self._storage_checked = False
         self._uploader: CheckpointUploader | None = None
         self._next_collective_seq = 0
+        self.preemption_info: PreemptionInfo | None = None
 
     def report(
         self,
@@ -66,10 +68,32 @@ class WorkerSession:
         self._next_report_index = index + 1
         if done.new_latest_checkpoint is not None:
             self._checkpoint = self.context.storage.checkpoint_of(done.new_latest_checkpoint)
+        self._take_preemption_notice(done)
+
+    def _take_preemption_notice(self, done: protocol.ReportDone) -> None:
+        """Keep the run's preemption notice; stop here when the driver says the run stops.
+
+        Raises:
+            PreemptionStop: the run stops (preempted) at this report.
+        """
+        from lockstep._internal.preemption import PreemptionStop, info_from
+
+        if done.preempted is not None:
+            self.preemption_info = info_from(done.preempted)
+        if done.stop:
+            raise PreemptionStop(f"the run stops after report #{done.index} (preempted)")
 
     def _answer(self, kind: type[T]) -> T:
-        """The driver's answer to the call just sent (calls and answers alternate)."""
-        answer = self._channel.recv()
+        """The driver's answer to the call just sent (calls and answers alternate). After a
+        preemption notice, a channel the driver closed means the run stopped (preempted)."""
+        try:
+            answer = self._channel.recv()
+        except (EOFError, OSError) as error:
+            if self.preemption_info is None:
+                raise
+            from lockstep._internal.preemption import PreemptionStop
+
+            raise PreemptionStop("the driver stopped the run (preempted)") from error
         if not isinstance(answer, kind):
             raise RuntimeError(f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)")
         return answer

@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from lockstep._internal import network, protocol
 from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.preemption import PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.run_names import default_run_name
 from lockstep._internal.worker import run_to_outcome
-from lockstep.errors import ControllerError, WorkerGroupError, error_class_named
+from lockstep.context import current_session
+from lockstep.errors import ControllerError, PreemptionError, WorkerGroupError, error_class_named
 
 if TYPE_CHECKING:
     from lockstep._internal.driver import RunDriver
@@ -125,10 +127,15 @@ class ExternalExecutor(Executor):
         """
         if self.launch_info.rank == 0:
             return self._drive_and_run_rank_0(job, driver)
-        outcome, exit_code = self._run_rank(job)
-        if exit_code != 0:
+        outcome, exit_code, sigterms = self._run_rank(job)
+        if exit_code != 0 and not (sigterms or stopped_preempted(outcome)):
             raise WorkerGroupError.from_failures([outcome.failure])
-        await_end(self.launch_info, self.store)
+        try:
+            await_end(self.launch_info, self.store)
+        except PreemptionError as error:  # as rank 0 says; with the notice this rank got
+            session = current_session()
+            error.preemption_info = session.preemption_info if session is not None else None
+            raise
         from lockstep.result import Result
 
         return Result.from_path(job.storage.run_path, job.storage.filesystem)
@@ -152,8 +159,11 @@ class ExternalExecutor(Executor):
             raise thread.error
         return thread.result
 
-    def _run_rank(self, job: TrainJob, keep_return_value: Callable[[Any], None] | None = None) -> tuple[Any, int]:
-        """Connect to rank 0's channel and run this rank's own job here; return its outcome."""
+    def _run_rank(
+        self, job: TrainJob, keep_return_value: Callable[[Any], None] | None = None
+    ) -> tuple[Any, int, int]:
+        """Connect to rank 0's channel and run this rank's own job here; return its outcome, its
+        exit code and how many SIGTERMs (preemption notices) it got meanwhile."""
         launch = self.launch_info
         channel_env = await_channel(launch, self.store)
         rank_env = replace(launch.rank_env, store_is_hosted=True, store_prefix=launch.key("pg"),
@@ -161,14 +171,20 @@ class ExternalExecutor(Executor):
         os.environ.update(rank_env.variables())
         channel = protocol.connect_to_driver(channel_env)
         channel.send(protocol.Hello(launch.rank, os.getpid()))
-        outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
+        with rank_signals(channel, launch.rank) as signals:  # torchrun forwards its SIGTERM to every rank
+            outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
         try:
             channel.send(outcome)
         except OSError:
             pass
         finally:
             channel.close()
-        return outcome, exit_code
+        return outcome, exit_code, signals.received
+
+
+def stopped_preempted(outcome: Any) -> bool:
+    """Whether a rank's outcome is the stop of a preempted run (not a failure of its own)."""
+    return isinstance(outcome, protocol.Failed) and outcome.failure.error_type == PreemptionStop.__name__
 
 
 def check_world_size(launch: Launch, scaling: ScalingConfig) -> None:

@@ -31,6 +31,7 @@ from lockstep._internal import protocol
 from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.external import ControllerThread
+from lockstep._internal.preemption import PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
 from lockstep.backend import BackendConfig
 
@@ -101,13 +102,14 @@ class InlineExecutor(Executor):
         interrupted: BaseException | None = None
         try:
             channel.send(protocol.Hello(0, os.getpid()))
-            group.keep_return_value(run_rank(self._rank_env(), channel, lambda: _without_worker_setup(job),
-                                             {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
+            with rank_signals(channel, 0):  # SIGTERM: a preemption notice to the controller thread
+                group.keep_return_value(run_rank(self._rank_env(), channel, lambda: _without_worker_setup(job),
+                                                 {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
             outcome: Any = protocol.Finished(0, None)
         except BaseException as error:  # noqa: BLE001 - the controller must hear of every failure
             error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None  # not this frame
             outcome = protocol.Failed(describe_failure(0, error))
-            interrupted = None if isinstance(error, Exception) else error
+            interrupted = None if isinstance(error, (Exception, PreemptionStop)) else error
         finally:
             set_session(None)
         _send_last(channel, outcome)
