@@ -91,25 +91,54 @@ def test_hosts_reach_each_other_by_address_while_the_hostname_is_loopback(two_ho
 # -- Ray --------------------------------------------------------------------------------------------
 
 
-def ray_driver(cluster: RayCluster, storage_path: str) -> tuple[int, str]:
+def ray_driver(cluster: RayCluster, storage_path: str, *options: str) -> tuple[int, str]:
     """Run tests/scripts/two_host_ray_job.py on the head's host; its exit code and output."""
-    args = [sys.executable, str(SCRIPTS / "two_host_ray_job.py"), cluster.address, storage_path]
+    args = [sys.executable, str(SCRIPTS / "two_host_ray_job.py"), cluster.address, storage_path, *options]
     ((code, output),) = run_on([(cluster.head, args)])
     return code, output
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_ray_run_spans_both_hosts(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    host_a, host_b = ray_cluster.head, ray_cluster.workers[0]
-    code, output = ray_driver(ray_cluster, str(tmp_path))
+def assert_run_spanned_both_hosts(cluster: RayCluster, code: int, output: str) -> None:
+    """The driver's RESULT line shows a run whose two ranks ran on host A and host B."""
+    host_a, host_b = cluster.head, cluster.workers[0]
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    assert code == 0 and lines, f"the two-host run failed:\n{output[-6000:]}\n{ray_cluster.logs()}"
+    assert code == 0 and lines, f"the two-host run failed:\n{output[-6000:]}\n{cluster.logs()}"
     result = json.loads(lines[-1].split(" ", 1)[1])
     assert result["metrics"]["sum"] == 3.0, "the all-reduce must add both ranks' values"
     assert result["metrics"]["hosts"] == [host_a.address, host_b.address], "rank 0 on the driver's host, rank 1 on B"
     assert result["metrics"]["ifname"] == host_a.interface, "rank 0's gloo must use host A's interface"
-    assert result["checkpoint_files"] == ["rank0.txt", "rank1.txt"]
-    assert Path(result["checkpoint_path"], "rank1.txt").read_text() == "1", "host B's rank wrote into shared storage"
+    assert result["checkpoint_files"] == {"rank0.txt": "1", "rank1.txt": "1"}, "both hosts' ranks wrote to storage"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_ray_run_spans_both_hosts(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    assert_run_spanned_both_hosts(ray_cluster, *ray_driver(ray_cluster, str(tmp_path)))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 90)
+def test_ray_run_on_s3_both_hosts_reach(ray_cluster: RayCluster) -> None:
+    host_a, host_b = ray_cluster.head, ray_cluster.workers[0]
+    port = free_port(host_a)
+    moto = str(Path(sys.executable).with_name("moto_server"))
+    server = host_a.popen([moto, "-H", host_a.address, "-p", str(port)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    aws = {"AWS_ENDPOINT_URL": f"http://{host_a.address}:{port}", "AWS_ACCESS_KEY_ID": "lockstep-test",
+           "AWS_SECRET_ACCESS_KEY": "lockstep-test", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {name: os.environ.get(name) for name in aws}
+    try:
+        wait_listening(host_b, host_a.address, port, timeout_s=60, process=server)
+        os.environ.update(aws)
+        made = host_a.run([sys.executable, "-c", "import s3fs; s3fs.S3FileSystem().mkdir('runs')"], env=os.environ)
+        assert made.returncode == 0, made.stderr
+        outcome = ray_driver(ray_cluster, "s3://runs/two_hosts", "--forward-env", ",".join(aws))
+        assert_run_spanned_both_hosts(ray_cluster, *outcome)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        kill_tree(server)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
@@ -118,7 +147,11 @@ def test_ray_storage_host_b_cannot_see_is_refused(ray_cluster: RayCluster, node_
     code, output = ray_driver(ray_cluster, str(storage))
     assert code != 0, f"the run must fail:\n{output[-4000:]}"
     assert "must be shared" in output, output[-6000:]
-    assert not list(storage.glob("two_hosts/checkpoint_*")), "no checkpoint may be committed"
+    from lockstep import Result
+
+    run = Result.from_path(str(storage / "two_hosts"))  # as the driver (host A) recorded it
+    assert run.checkpoint is None and not run.best_checkpoints, "no checkpoint may be committed"
+    assert run.error is not None or not run.metrics_history, "the run must not have gone on"
 
 
 # -- torchrun ---------------------------------------------------------------------------------------
@@ -147,3 +180,27 @@ def test_torchrun_two_nodes_on_two_hosts(two_hosts: HostNetwork, tmp_path: Path)
     assert results[0]["metrics"]["sum"] == 2.0, "the all-reduce must add both ranks' ones"
     assert results[0]["checkpoint_files"] == {"rank0.txt": "1", "rank1.txt": "1"}
     assert results[1]["path"] == results[0]["path"] and results[1]["error"] is None
+
+
+# -- the interface choice ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_each_host_names_its_own_interface_and_the_users_choice_wins(two_hosts: HostNetwork) -> None:
+    host_a, host_b = two_hosts.hosts
+    probe = ("import json, sys\nfrom lockstep._internal.executors.external import Launch\n"
+             "from lockstep._internal.rank_env import RankEnv\n"
+             "launch = Launch.from_environ()\n"
+             "print(json.dumps([launch.rank_env.node_addr, launch.rank_env.socket_variables({}),"
+             " launch.rank_env.socket_variables({'GLOO_SOCKET_IFNAME': 'mine'})]))")
+    launcher_env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": host_a.address, "MASTER_PORT": "29500"}
+    answer = host_b.run([sys.executable, "-c", probe], env=launcher_env)
+    assert answer.returncode == 0, answer.stderr
+    node_addr, chosen, with_users = json.loads(answer.stdout)
+    assert node_addr == host_b.address, "under torchrun: the local address that reaches MASTER_ADDR"
+    assert chosen == {"GLOO_SOCKET_IFNAME": host_b.interface, "NCCL_SOCKET_IFNAME": f"={host_b.interface}"}
+    assert with_users == {"NCCL_SOCKET_IFNAME": f"={host_b.interface}"}, "a variable the user set is kept"
+    local = host_b.run([sys.executable, "-c", "from lockstep._internal.rank_env import RankEnv\n"
+                        "print(RankEnv(0, 2, 0, 2, 0, '127.0.0.1', 1).socket_variables({}))"])
+    assert "'GLOO_SOCKET_IFNAME': 'lo'" in local.stdout, local.stderr

@@ -1,11 +1,12 @@
 """A lockstep run on a Ray cluster of two hosts (tests/test_two_hosts.py):
 
-    python two_host_ray_job.py RAY_ADDRESS STORAGE_PATH [--nodes 2]
+    python two_host_ray_job.py RAY_ADDRESS STORAGE_PATH [--nodes 2] [--forward-env NAME,...]
 
 Waits until the cluster has ``--nodes`` live nodes, then runs two workers spread over them
 (ScalingConfig(placement_strategy="SPREAD")). Each rank all-reduces ``rank + 1`` (3 when both
 took part), gathers every rank's Ray node IP, and reports twice with a checkpoint holding
-``rank<r>.txt``. Prints one line "RESULT {...}" (JSON) describing the Result, or
+``rank<r>.txt``. ``--forward-env`` hands these variables of the driver to the workers (Ray's
+``runtime_env``), e.g. the S3 endpoint and credentials. Prints one line "RESULT {...}" (JSON) describing the Result, or
 "FAILED <type>: <message>" when fit() raised.
 """
 
@@ -53,8 +54,10 @@ if __name__ == "__main__":
     parser.add_argument("address")
     parser.add_argument("storage_path")
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--forward-env", default="")
     args = parser.parse_args()
-    ray.init(address=args.address, log_to_driver=False)
+    forwarded = {name: os.environ[name] for name in args.forward_env.split(",") if name}
+    ray.init(address=args.address, log_to_driver=False, runtime_env={"env_vars": forwarded} if forwarded else None)
     wait_for_nodes(args.nodes)
     trainer = TorchTrainer(
         train_func,
@@ -66,10 +69,8 @@ if __name__ == "__main__":
     except Exception as error:  # noqa: BLE001 - the test reads the line
         print(f"FAILED {type(error).__name__}: {error}", flush=True)
         sys.exit(1)
-    checkpoint = result.checkpoint
-    print("RESULT " + json.dumps({
-        "metrics": result.metrics,
-        "checkpoint_files": sorted(os.listdir(checkpoint.path)) if checkpoint else None,
-        "checkpoint_path": checkpoint and checkpoint.path,
-        "path": result.path,
-    }), flush=True)
+    files = None
+    if result.checkpoint is not None:
+        with result.checkpoint.as_directory() as folder:
+            files = {name: Path(folder, name).read_text() for name in sorted(os.listdir(folder))}
+    print("RESULT " + json.dumps({"metrics": result.metrics, "checkpoint_files": files, "path": result.path}), flush=True)
