@@ -333,3 +333,42 @@ def test_sigint_interrupts_the_train_function_and_fit_raises_keyboard_interrupt(
     assert process.returncode != 0 and stderr.rstrip().endswith("KeyboardInterrupt"), stderr
     record = json.loads((tmp_path / "results" / "sigint" / "lockstep_run.json").read_text())
     assert record["status"] == "failed"
+
+
+PREEMPTED_SCRIPT = '''
+import pathlib, sys, tempfile, time
+import lockstep
+from lockstep import Checkpoint, RunConfig, ScalingConfig
+from lockstep.torch import TorchTrainer
+
+def train_func():
+    for step in range(10_000):
+        with tempfile.TemporaryDirectory() as folder:
+            pathlib.Path(folder, "step.txt").write_text(str(step))
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder))
+        print("REPORTED", flush=True)
+        time.sleep(0.05)
+
+try:
+    TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
+                 run_config=RunConfig(name="preempted", storage_path=sys.argv[1], verbose=0)).fit()
+except lockstep.PreemptionError as error:
+    print("PREEMPTED", error.preemption_info.preempted_ranks if error.preemption_info else None, flush=True)
+'''
+
+
+def test_sigterm_is_a_preemption_notice_in_local_mode_too(tmp_path: Path) -> None:
+    script = tmp_path / "preempted.py"
+    script.write_text(PREEMPTED_SCRIPT)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "REPORTED"
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=40)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0 and "PREEMPTED [0]" in stdout, stdout + stderr
+    record = json.loads((tmp_path / "results" / "preempted" / "lockstep_run.json").read_text())
+    assert record["status"] == "preempted"
