@@ -167,6 +167,18 @@ def test_sigterm_to_one_rank_is_a_notice_for_that_rank(tmp_path: Path) -> None:
     assert_nothing_left()
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_in_local_mode_is_a_notice_too(tmp_path: Path) -> None:
+    job = Job(tmp_path, "--every", "5", "--steps", "40", "--num-workers", "0")
+    job.wait_for_reports(2)
+    job.process.send_signal(signal.SIGTERM)
+    code, results = job.finish()
+    assert results["driver"]["error"] == "PreemptionError" and results["driver"]["ranks"] == [0], job.stderr
+    record = job.record()
+    assert record["status"] == "preempted" and record["executor"] == "local_mode"
+    assert job.reports()[-1]["checkpoint_dir_name"] == record["latest_checkpoint"]
+
+
 @pytest.mark.timeout(150)
 def test_sigterm_to_torchrun_stops_every_rank_with_a_preemption_error(tmp_path: Path) -> None:
     job = Job(tmp_path, "--every", "5", "--steps", "40", torchrun=True)

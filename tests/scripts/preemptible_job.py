@@ -5,7 +5,7 @@ each report, whether it has heard of a preemption (``notice``: the ranks of
 ``get_preemption_info()``).
 
     python preemptible_job.py STORAGE PIDS [--every K] [--steps N] [--step-s S] [--grace G]
-        [--callback-fails]
+        [--callback-fails] [--num-workers N]
 
 Works as a plain script (the local executor) and under torchrun. Every process that runs
 fit() prints one line: "RESULT <who> {json}" with how fit() ended.
@@ -63,10 +63,11 @@ if __name__ == "__main__":
     parser.add_argument("--step-s", type=float, default=0.1)
     parser.add_argument("--grace", type=float, default=25.0)
     parser.add_argument("--callback-fails", action="store_true")
+    parser.add_argument("--num-workers", type=int, default=2, help="0: local mode (the train function runs here)")
     args = parser.parse_args()
     who = os.environ.get("RANK", "driver")
     config = {"pids": args.pids, "every": args.every, "steps": args.steps, "step_s": args.step_s}
-    trainer = TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+    trainer = TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=args.num_workers),
                            run_config=RunConfig(name="preemptible", storage_path=args.storage_path, verbose=0,
                                                 failure_config=FailureConfig(preemption_grace_s=args.grace),
                                                 callbacks=[FailingCallback()] if args.callback_fails else []))
