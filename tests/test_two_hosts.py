@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -27,10 +28,11 @@ SCRIPTS = REPO_ROOT / "tests" / "scripts"
 RUN_TIMEOUT_S = 150
 
 
-def run_on(hosts: Sequence[tuple[Host, list[str]]], timeout: float = RUN_TIMEOUT_S) -> list[tuple[int, str]]:
+def run_on(hosts: Sequence[tuple[Host, list[str]]], timeout: float = RUN_TIMEOUT_S,
+           **extra_env: str) -> list[tuple[int, str]]:
     """Run one command on each host at once (each killed with its descendants if they outlast
     ``timeout``); return each one's exit code and output."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **extra_env}
     processes = [host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
                  for host, args in hosts]
     results = []
@@ -180,6 +182,28 @@ def test_torchrun_two_nodes_on_two_hosts(two_hosts: HostNetwork, tmp_path: Path)
     assert results[0]["metrics"]["sum"] == 2.0, "the all-reduce must add both ranks' ones"
     assert results[0]["checkpoint_files"] == {"rank0.txt": "1", "rank1.txt": "1"}
     assert results[1]["path"] == results[0]["path"] and results[1]["error"] is None
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_ranks_that_cannot_connect_all_fail_within_the_start_timeout(two_hosts: HostNetwork,
+                                                                               tmp_path: Path) -> None:
+    host_a, host_b = two_hosts.hosts
+    port = free_port(host_a)
+    commands = [
+        (host, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                f"--node_rank={node_rank}", f"--master_addr={host_a.address}", f"--master_port={port}",
+                "--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "--start-timeout=10"])
+        for node_rank, host in enumerate((host_a, host_b))
+    ]
+    started = time.monotonic()
+    outcomes = run_on(commands, timeout=100, GLOO_SOCKET_IFNAME="lo")  # the user's wrong choice: loopback
+    output = "\n---\n".join(text[-4000:] for _, text in outcomes)
+    elapsed = time.monotonic() - started
+    print(f"both torchruns ended after {elapsed:.1f} s")
+    assert elapsed < 100
+    assert all(code != 0 for code, _ in outcomes), f"every rank's fit() must fail:\n{output}"
+    assert "could not join the process group within 10 s" in output, output
+    assert "GLOO_SOCKET_IFNAME" in output
 
 
 # -- the interface choice ---------------------------------------------------------------------------

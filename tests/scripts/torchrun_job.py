@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import lockstep
 from lockstep import Checkpoint, Result, RunConfig, ScalingConfig
-from lockstep.torch import TorchTrainer
+from lockstep.torch import TorchConfig, TorchTrainer
 
 
 def resume_point(rank: int) -> int | None:
@@ -81,8 +81,10 @@ if __name__ == "__main__":
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--fail-once", action="store_true")
     parser.add_argument("--default-name", action="store_true")
+    parser.add_argument("--start-timeout", type=float, default=120.0, help="TorchConfig.start_timeout_s")
     args = parser.parse_args()
     result = TorchTrainer(train_func, train_loop_config={"fail_once": args.fail_once},
+                          torch_config=TorchConfig(start_timeout_s=args.start_timeout),
                           scaling_config=ScalingConfig(num_workers=args.num_workers),
                           run_config=RunConfig(name=None if args.default_name else "torchrun",
                                                storage_path=args.storage_path, verbose=0)).fit()
