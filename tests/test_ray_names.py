@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import REPO_ROOT
 
 import lockstep
 from lockstep import (
@@ -286,3 +287,12 @@ def test_integration_modules_load_on_first_use() -> None:
         assert getattr(lockstep, name).__name__ == f"lockstep.{name}"
     with pytest.raises(AttributeError, match="no attribute 'tune'"):
         lockstep.tune  # noqa: B018
+
+
+@pytest.mark.timeout(60)
+def test_the_ray_train_api_map_is_up_to_date() -> None:
+    completed = subprocess.run([sys.executable, str(REPO_ROOT / "docs" / "make_ray_train_api.py"), "--check"],
+                               capture_output=True, text=True, timeout=50)
+    assert completed.returncode == 0, (
+        "docs/ray_train_api.md is stale: run `python docs/make_ray_train_api.py`\n" + completed.stdout + completed.stderr
+    )
