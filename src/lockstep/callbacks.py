@@ -3,7 +3,8 @@
 Pass them in ``RunConfig(callbacks=[...])``. Each hook runs in the driver (the process that
 called ``fit()``), after lockstep has recorded what it reports, so a slow callback delays the
 next ``report()`` of every worker but never loses anything. A callback that raises is logged
-with its traceback and switched off for the rest of the run; the training goes on.
+with its traceback and switched off for the rest of the run; the training goes on. A hook can
+stop the run with ``run.request_stop(reason)`` (see :class:`EarlyStopping`).
 
 Example:
     >>> from lockstep.callbacks import Callback, CSVLogger
@@ -24,12 +25,33 @@ import json
 import logging
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lockstep.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
+
+
+#: How a run that was asked to stop is recorded: ``"stopped"``, or ``"pruned"`` (a search
+#: library such as Optuna gave up on it).
+StopStatus = Literal["stopped", "pruned"]
+STOP_STATUSES: tuple[StopStatus, ...] = ("stopped", "pruned")
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """A request to stop the run, made with :meth:`RunInfo.request_stop`.
+
+    Attributes:
+        reason: Why, in words (logged, and kept in the run record as ``stop_reason``).
+        status: The run's final status.
+        error: Raised by ``fit()`` once the run is recorded, instead of returning the Result.
+    """
+
+    reason: str
+    status: StopStatus = "stopped"
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,27 @@ class RunInfo:
     path: str
     world_size: int
     log_dir: str
+    _stop_requests: list[StopRequest] = field(default_factory=list, repr=False, compare=False)
+
+    def request_stop(self, reason: str, *, status: StopStatus = "stopped", error: BaseException | None = None) -> None:
+        """Ask the driver to stop the run at a report barrier: the one being recorded when
+        called from ``after_report`` (or ``on_checkpoint`` of that report), else the next one.
+        Every rank leaves its train function from that ``report()``, the checkpoints reported
+        so far are committed and the run ends with ``status``; ``fit()`` returns the Result, or
+        raises ``error`` when one is given. The first request wins.
+
+        Raises:
+            ValueError: ``status`` is not one of ``"stopped"``, ``"pruned"``.
+        """
+        if status not in STOP_STATUSES:
+            raise ValueError(f"request_stop(status={status!r}): use one of {', '.join(STOP_STATUSES)}.")
+        if not self._stop_requests:
+            self._stop_requests.append(StopRequest(str(reason), status, error))
+
+    @property
+    def stop_request(self) -> StopRequest | None:
+        """The first stop request made in this run, if any."""
+        return self._stop_requests[0] if self._stop_requests else None
 
 
 #: Why a worker group starts: the first of the run, after a failure, or to grow an elastic run.
@@ -104,7 +147,8 @@ class Callback:
         """An attempt failed; ``restarting`` says whether the workers start again."""
 
     def on_run_end(self, run: RunInfo, status: str, error: Exception | None) -> None:
-        """The run ended: ``status`` is ``"finished"``, ``"failed"`` or ``"interrupted"``."""
+        """The run ended: ``status`` is ``"finished"``, ``"stopped"``, ``"pruned"``,
+        ``"failed"``, ``"interrupted"`` or ``"preempted"``."""
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -113,6 +157,56 @@ def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         key: float(value) for key, value in metrics.items()
         if isinstance(value, numbers.Real) and not isinstance(value, bool)
     }
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+
+class EarlyStopping(Callback):
+    """Stops the run once ``metric`` has not improved for ``patience`` reports in a row.
+
+    Args:
+        metric: The reported metric to watch (reports without it are not counted).
+        mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"`` (e.g. an accuracy).
+        patience: How many reports in a row without improvement end the run.
+        min_delta: How much better than the best so far a value must be to count as improved.
+
+    Example:
+        >>> RunConfig(callbacks=[EarlyStopping("val_loss", mode="min", patience=3)])
+    """
+
+    def __init__(self, metric: str, mode: Literal["min", "max"] = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping(mode={mode!r}): use 'min' (lower is better) or 'max'.")
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"EarlyStopping(patience={patience!r}): use a whole number of reports, 1 or more.")
+        if not isinstance(min_delta, numbers.Real) or min_delta < 0:
+            raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): use a number >= 0.")
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, float(min_delta)
+        self.best: float | None = None
+        self.best_index: int | None = None
+        self.waited = 0
+
+    def on_run_start(self, run: RunInfo) -> None:
+        self.best, self.best_index, self.waited = None, None, 0
+
+    def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
+        value = numeric_metrics(metrics).get(self.metric)
+        if value is None:
+            return
+        if self.best is None or self._improves(value):
+            self.best, self.best_index, self.waited = value, index, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            run.request_stop(f"EarlyStopping: {self.metric} did not improve for {self.patience} reports "
+                             f"(best {self.best:.6g} at report #{self.best_index})")
+
+    def _improves(self, value: float) -> bool:
+        assert self.best is not None
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
 
 
 # -- the loggers --------------------------------------------------------------------------------
@@ -262,7 +356,8 @@ class MLflowLogger(Callback):
 
     def on_run_end(self, run: RunInfo, status: str, error: Exception | None) -> None:
         if self._client is not None and self.run_id is not None:
-            self._client.set_terminated(self.run_id, {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED"))
+            statuses = {"finished": "FINISHED", "stopped": "FINISHED", "pruned": "KILLED", "interrupted": "KILLED"}
+            self._client.set_terminated(self.run_id, statuses.get(status, "FAILED"))
 
 
 # -- checking them --------------------------------------------------------------------------------

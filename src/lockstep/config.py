@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -311,8 +312,13 @@ class RunConfig:
         local_dir: Ray Train V1's name of ``storage_path`` (works, with a DeprecationWarning).
         log_to_file: Ray Train V1's field: ``True``/``False`` are accepted (each rank's output
             always goes to ``<run folder>/logs/rank_<r>.log``); file names are refused.
-        stop: Ray Tune's stopping criteria; not supported yet (NotImplementedError says what to
-            do instead).
+        stop: Stop the run early, as Ray Tune's ``stop``: a dict of metric -> threshold (the run
+            stops once a reported value is ``>=`` its threshold; ``training_iteration`` is the
+            number of reports so far, nested metrics are named ``"outer/inner"``), or a
+            function ``(report_index, metrics) -> bool``. Every rank leaves its train function
+            from that report's ``report()``, the checkpoints reported so far are committed, the
+            run is recorded as ``stopped`` and ``fit()`` returns the Result. Callbacks can stop
+            a run too (``run.request_stop(...)``, :class:`lockstep.callbacks.EarlyStopping`).
         sync_config, progress_reporter, worker_runtime_env: Ray fields without an equivalent
             here; only None (or an empty ``worker_runtime_env``) is accepted, anything else
             raises a ValueError that says what to use.
@@ -329,7 +335,7 @@ class RunConfig:
     logging_config: LoggingConfig | None = None
     local_dir: str | os.PathLike[str] | None = None
     log_to_file: bool | None = None
-    stop: Any = None
+    stop: Mapping[str, float] | Callable[[int, dict[str, Any]], bool] | None = None
     sync_config: Any = None
     progress_reporter: Any = None
     worker_runtime_env: dict[str, Any] | None = None

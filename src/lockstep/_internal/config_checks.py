@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -114,13 +115,8 @@ def storage_path_from_local_dir(storage_path: Any, local_dir: Any) -> Any:
 def check_v1_run_fields(
     stop: Any, log_to_file: Any, sync_config: Any, progress_reporter: Any, worker_runtime_env: Any
 ) -> None:
-    """Refuse the RunConfig fields lockstep has no equivalent of, saying what to use."""
-    if stop is not None:
-        raise NotImplementedError(
-            f"RunConfig(stop={stop!r}) is not supported yet. End the train function yourself when the "
-            "condition holds, on every rank at the same report (e.g. after `lockstep.report(metrics)`, "
-            "`if metrics['loss'] < 0.1: break`), or bound the loop by epochs in train_loop_config."
-        )
+    """Check ``stop``; refuse the RunConfig fields lockstep has no equivalent of, saying what to use."""
+    check_stop(stop)
     if log_to_file not in (None, True, False):
         raise ValueError(
             f"RunConfig(log_to_file={log_to_file!r}): lockstep always writes each rank's output to "
@@ -143,3 +139,25 @@ def check_v1_run_fields(
             "job, ray.init(runtime_env=...); local workers inherit this process's environment, so set "
             "os.environ[...] before fit()."
         )
+
+
+def check_stop(stop: Any) -> None:
+    """``RunConfig(stop=)`` is None, a dict of metric name -> number, or a function
+    ``(report_index, metrics) -> bool``.
+
+    Raises:
+        ValueError: it is something else, naming what.
+    """
+    if stop is None or callable(stop):
+        return
+    if not isinstance(stop, Mapping) or not stop:
+        raise ValueError(
+            f"RunConfig(stop={stop!r}): give a dict of metric -> threshold (the run stops once a reported value "
+            "is >= it, e.g. {'training_iteration': 10}) or a function (report_index, metrics) -> bool."
+        )
+    for key, threshold in stop.items():
+        if not isinstance(key, str) or not isinstance(threshold, numbers.Real) or isinstance(threshold, bool):
+            raise ValueError(
+                f"RunConfig(stop=...): {key!r}: {threshold!r} must be a metric name and a number; for other "
+                "conditions (e.g. a loss going below a value) pass a function (report_index, metrics) -> bool."
+            )

@@ -12,7 +12,9 @@ report index and the run's latest checkpoint, as the run record has them when th
 
 A preemption notice (see :mod:`lockstep._internal.preemption`) is told to every rank with the
 next ReportDone; the run stops as ``preempted`` once a checkpoint is committed after it, when
-the grace runs out, or at a second notice, without counting a failure.
+the grace runs out, or at a second notice, without counting a failure. A stop requested by
+``RunConfig(stop=...)`` or a callback (see :mod:`lockstep._internal.stopping`) is told the same
+way, and the run ends ``stopped`` (or ``pruned``) once its ranks have left.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from lockstep._internal.liveness import Liveness, RestartPolicy
 from lockstep._internal.preemption import HangUp, Preemption, PreemptionStop
 from lockstep._internal.report_barrier import ReportBarrier
 from lockstep._internal.run_record import RunRecorder
+from lockstep._internal.stopping import Stopping
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
 from lockstep.config import DEFAULT_PREEMPTION_GRACE_S
@@ -100,7 +103,9 @@ class Controller:
         self.report_timeout_s = report_timeout_s
         self.preemption = preemption or Preemption(DEFAULT_PREEMPTION_GRACE_S)
         storage = recorder.storage
-        self.listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
+        listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
+        self.listeners = listeners
+        self.stopping = Stopping(listeners.run)
 
     @property
     def failure_history(self) -> list[TrainingFailedError]:
@@ -111,7 +116,7 @@ class Controller:
         """Run attempts until one succeeds or failures exceed ``max_failures``."""
         self.listeners.on_run_start()
         try:
-            return self._run_attempts()
+            result = self._run_attempts()
         except KeyboardInterrupt:
             self._finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
             raise
@@ -143,6 +148,7 @@ class Controller:
         except BaseException as error:  # SystemExit & co. (e.g. from a callback): the record must still end
             self._finish("failed", ControllerError(f"The driver stopped: {type(error).__name__}: {error}."))
             raise
+        return self.stopping.outcome(result)
 
     def _run_attempts(self) -> Result:
         number = 1
@@ -152,6 +158,8 @@ class Controller:
                 number, self.make_group.size_now(), reason, self.recorder.latest_checkpoint,
                 len(self.failure_history), self.restart_policy.max_failures,
             ))
+            if self.stopping.request is not None:
+                return self._stopped(attempt)
             if self.preemption.noticed and attempt.outcome is not AttemptOutcome.SUCCEEDED:
                 raise self.preemption.error(self._latest_name())
             if attempt.outcome is AttemptOutcome.SUCCEEDED:
@@ -171,11 +179,21 @@ class Controller:
         if not restarting:
             raise self.restart_policy.final_error(error)
 
-    def _finish(self, status: str, error: TrainingFailedError | None = None) -> None:
+    def _stopped(self, attempt: Attempt) -> Result:
+        """End a run that was asked to stop, once its ranks have left."""
+        request = self.stopping.request
+        assert request is not None
+        if attempt.outcome is AttemptOutcome.FAILED:
+            logger.warning("While run %s stopped: %s", self.recorder.storage.name,
+                           WorkerGroupError.from_failures(attempt.liveness.failures, self._failure_context()))
+        self._finish(request.status, reason=request.reason)
+        return self.recorder.result(attempt.return_value)
+
+    def _finish(self, status: str, error: TrainingFailedError | None = None, reason: str | None = None) -> None:
         """Record how the run ended, and tell the listeners (also when recording it failed)."""
         self.preemption.finishing = True
         try:
-            self.recorder.finish(status, error)
+            self.recorder.finish(status, error, reason)
         finally:
             self.listeners.on_run_end(status, error)
 
@@ -206,7 +224,7 @@ class Controller:
         group = self.make_group(start.world_size)
         try:
             group.start()
-            while attempt.outcome is None and not self.preemption.stops_now:
+            while attempt.outcome is None and not self.preemption.stops_now and not self._gives_up(attempt):
                 for event in group.wait_events(self._time_to_deadline(attempt)):
                     self._handle(event, attempt, group)
                 if not attempt.liveness.failures:
@@ -221,9 +239,15 @@ class Controller:
             self.recorder.discard_uncommitted(attempt.commits.written_dir_names)
         return attempt
 
+    def _gives_up(self, attempt: Attempt) -> bool:
+        """Whether ranks told to stop had their time to leave (once every checkpoint is committed)."""
+        return self.stopping.gives_up(bool(attempt.commits.pending))
+
     def _time_to_deadline(self, attempt: Attempt) -> float | None:
-        """How long to wait for events: until the report barrier's or the preemption's deadline."""
-        deadlines = [left for left in (attempt.barrier.time_to_deadline(), self.preemption.time_left()) if left is not None]
+        """How long to wait for events: until the report barrier's, preemption's or stop's deadline."""
+        waits = (attempt.barrier.time_to_deadline(), self.preemption.time_left(),
+                 self.stopping.time_left(bool(attempt.commits.pending)))
+        deadlines = [left for left in waits if left is not None]
         return min(deadlines, default=None)
 
     def _handle(self, event: Any, attempt: Attempt, group: WorkerGroup) -> None:
@@ -242,7 +266,10 @@ class Controller:
         elif isinstance(event, protocol.Finished):
             self._on_finished(event, attempt, group)
         elif isinstance(event, protocol.Failed):
-            attempt.liveness.fail([event.failure])
+            if self.stopping.left(event.failure):
+                attempt.liveness.finish(event.failure.rank)  # told to stop: it left at that report
+            else:
+                attempt.liveness.fail([event.failure])
         elif isinstance(event, protocol.PreemptionNotice):
             self.preemption.notice(event.host, [event.rank], event.urgent)
         elif isinstance(event, WorkerExited):
@@ -275,8 +302,8 @@ class Controller:
         latest = self._latest_entry()
         changed = latest if latest != attempt.latest_sent else None
         attempt.latest_sent = latest
-        done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed), self.preemption.message(),
-                                   self.preemption.stops_now)
+        stop = self.preemption.stops_now or self.stopping.decide(report.index)
+        done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed), self.preemption.message(), stop)
         for rank in range(attempt.world_size):
             group.send(rank, done)
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from lockstep._internal.metrics_text import metrics_text
 from lockstep._internal.progress import ProgressCallback, log_clear_of_line
+from lockstep._internal.stopping import StopCondition
 from lockstep.callbacks import AttemptStart, Callback, RunInfo
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import RunConfig
@@ -129,10 +130,12 @@ class LogLines(Callback):
 
 
 def listeners_for(run_config: RunConfig, run: RunInfo) -> Listeners:
-    """The listeners of a run: lockstep's log lines, the progress line (unless ``verbose=0``) and
-    ``run_config.callbacks``. Where the progress line is live (a terminal), it is the account of
+    """The listeners of a run: lockstep's log lines, the progress line (unless ``verbose=0``),
+    ``run_config.stop`` and ``run_config.callbacks``. Where the progress line is live (a terminal), it is the account of
     each report, so the per-report log lines go to DEBUG instead of onto the console."""
     progress = ProgressCallback(run.name, run.world_size) if run_config.verbose != 0 else None
     report_level = logging.DEBUG if progress is not None and progress.live else logging.INFO
     builtin: list[Callback] = [LogLines(report_level), *([progress] if progress is not None else [])]
+    if run_config.stop is not None:
+        builtin.append(StopCondition(run_config.stop))
     return Listeners(run, run_config.callbacks, builtin)

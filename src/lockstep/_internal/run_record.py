@@ -137,11 +137,12 @@ class RunRecorder:
         self.record["num_failures"] = int(self.record.get("num_failures", 0)) + 1
         self._write_record()
 
-    def finish(self, status: str, error: BaseException | None = None) -> None:
-        """Mark the run finished, failed, interrupted or preempted (a preemption is counted in
-        ``num_preemptions``, never as a failure). When storage itself is what failed, this is
-        logged rather than raised, so the run's own error stays the one the user sees."""
-        self.record.update(status=status, error=error_to_record(error))
+    def finish(self, status: str, error: BaseException | None = None, reason: str | None = None) -> None:
+        """Mark the run finished, stopped, pruned, failed, interrupted or preempted (a
+        preemption is counted in ``num_preemptions``, never as a failure); ``reason`` says why a
+        run stopped (``stop_reason``). When storage itself is what failed, this is logged rather
+        than raised, so the run's own error stays the one the user sees."""
+        self.record.update(status=status, error=error_to_record(error), stop_reason=reason)
         if status == "preempted":
             self.record["num_preemptions"] = int(self.record.get("num_preemptions", 0)) + 1
         try:

@@ -72,14 +72,19 @@ class WorkerSession:
 
     def _take_preemption_notice(self, done: protocol.ReportDone) -> None:
         """Keep the run's preemption notice; stop here when the driver says the run stops.
+        Without a notice, the driver stopped the run (``RunConfig(stop=...)``, a callback): the
+        rank first waits for its checkpoint uploads, so that the driver can commit them.
 
         Raises:
-            PreemptionStop: the run stops (preempted) at this report.
+            PreemptionStop: the run stops at this report.
         """
         from lockstep._internal.preemption import PreemptionStop, info_from
 
         if done.preempted is not None:
             self.preemption_info = info_from(done.preempted)
+        if done.stop and done.preempted is None:
+            self.wait_for_uploads()
+            raise PreemptionStop(f"the driver stopped the run after report #{done.index}")
         if done.stop:
             raise PreemptionStop(f"the run stops after report #{done.index} (preempted)")
 
