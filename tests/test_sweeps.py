@@ -4,6 +4,7 @@ one Optuna study, `lockstep plot` of several runs, and the sweep example's smoke
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -37,16 +38,17 @@ def count_down(config: dict[str, Any]) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as folder:
                 Path(folder, f"rank{context.get_world_rank()}.txt").write_text(str(step))
                 Path(folder, "state.json").write_text(json.dumps({"next": step + 1}))
-                lockstep.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+                mode = lockstep.CheckpointUploadMode.ASYNC if config.get("async") else lockstep.CheckpointUploadMode.SYNC
+                lockstep.report(metrics, checkpoint=Checkpoint.from_directory(folder), checkpoint_upload_mode=mode)
         else:
             lockstep.report(metrics)
     return {"ran_to_the_end": True}
 
 
-def fit(storage_path: str, name: str, losses: list[float], workers: int = 2, every: int = 1,
+def fit(storage_path: str, name: str, losses: list[float], workers: int = 2, every: int = 1, upload_async: bool = False,
         **run_config: Any) -> lockstep.Result:
     trainer = TorchTrainer(
-        count_down, train_loop_config={"losses": losses, "every": every},
+        count_down, train_loop_config={"losses": losses, "every": every, "async": upload_async},
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(name=name, storage_path=storage_path, verbose=0, **run_config),
     )
@@ -91,7 +93,7 @@ def test_stop_function_and_async_checkpoint_committed(storage_path: str) -> None
         seen.append(metrics["training_iteration"])
         return metrics["loss"] < 0.55
 
-    result = fit(storage_path, "function", LOSSES, every=2, stop=below)
+    result = fit(storage_path, "function", LOSSES, every=2, upload_async=True, stop=below)
     assert result.metrics["step"] == 3 and seen == [1, 2, 3, 4]
     assert Path(result.checkpoint.path).name == "checkpoint_000003", "the stop report's checkpoint is committed"
     assert record_of(storage_path, "function")["status"] == "stopped"
@@ -148,3 +150,176 @@ def test_early_stopping_arguments_are_checked() -> None:
         EarlyStopping("loss", patience=0)
     with pytest.raises(ValueError, match="status"):
         RunInfo("r", "/r", 1, "/r/logs").request_stop("why", status="done")  # type: ignore[arg-type]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_fits_at_once_share_one_progress_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The terminal's line shows the oldest running fit; another one writes its last state when
+    it ends, and the line goes on; the next oldest takes it over."""
+    from lockstep._internal import progress
+
+    monkeypatch.setenv("TERM", "xterm")
+    screen = Terminal()
+    first, second = progress.ProgressCallback("first", 2, screen), progress.ProgressCallback("second", 2, screen)
+    runs = {line: RunInfo(line.name, "/r", 2, "/r/logs") for line in (first, second)}
+    for line in (first, second):
+        line.on_run_start(runs[line])
+    first.after_report(runs[first], 0, {"loss": 1.0})
+    second.after_report(runs[second], 0, {"loss": 2.0})
+    assert "second" not in screen.getvalue() and "loss=1" in screen.getvalue()
+    second.on_run_end(runs[second], "pruned", None)
+    first.after_report(runs[first], 1, {"loss": 0.5})
+    first.on_run_end(runs[first], "finished", None)
+    shown = [part for part in screen.getvalue().replace("\x1b[K", "").split("\r") if part.strip()]
+    assert [part.split(" | ")[0] + " | " + part.split(" | ")[-1].strip() for part in shown] == [
+        "lockstep first | loss=1",  # report #0 of the first; the second's is not drawn
+        "lockstep second | pruned",  # the second fit's end, on a line of its own
+        "lockstep first | loss=1", "lockstep first | loss=0.5", "lockstep first | finished",
+    ]
+    assert progress._active is None and progress._running == []
+
+
+# -- Optuna: pruning, and fits side by side --------------------------------------------------------
+
+optuna = pytest.importorskip("optuna")
+
+
+def scaled_losses(config: dict[str, Any]) -> None:
+    """Reports loss = scale * (1 - step / 10) with a checkpoint each time; ``hold`` keeps it in
+    its first report until the other trial has started (so the two fits overlap for sure)."""
+    context = lockstep.get_context()
+    for step in range(4):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, f"rank{context.get_world_rank()}.txt").write_text(config["tag"])
+            print(f"trial {config['tag']} rank {context.get_world_rank()} step {step}", flush=True)
+            lockstep.report({"loss": config["scale"] * (1 - step / 10), "tag": config["tag"]},
+                            checkpoint=Checkpoint.from_directory(folder))
+
+
+class RunsSeen(Callback):
+    """Which run each hook was called for (a callback must only hear of its own fit)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.tags: set[str] = set()
+
+    def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
+        self.names.add(run.name)
+        self.tags.add(metrics["tag"])
+
+
+def optuna_objective(storage_path: str, seen: dict[int, RunsSeen]) -> Any:
+    def objective(trial: Any) -> float:
+        scale = trial.suggest_float("scale", 0.1, 10.0)
+        seen[trial.number] = RunsSeen()
+        trainer = TorchTrainer(
+            scaled_losses, train_loop_config={"scale": scale, "tag": f"t{trial.number}"},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name=f"trial_{trial.number}", storage_path=storage_path, verbose=0,
+                                 callbacks=[lockstep.optuna.PruningCallback(trial, "loss"), seen[trial.number]]),
+        )
+        return trainer.fit().metrics["loss"]
+    return objective
+
+
+@pytest.mark.timeout(120)
+def test_two_trials_at_once_one_pruned(storage_path: str) -> None:
+    import lockstep.optuna  # noqa: F401
+
+    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=1.5, n_warmup_steps=1))
+    study.enqueue_trial({"scale": 0.5})
+    study.enqueue_trial({"scale": 2.0})  # 2.0, 1.8 > 1.5 at report #1: pruned there
+    seen: dict[int, RunsSeen] = {}
+    threads_before = threading.active_count()
+    study.optimize(optuna_objective(storage_path, seen), n_trials=2, n_jobs=2)
+    states = {trial.number: trial.state for trial in study.trials}
+    assert states == {0: optuna.trial.TrialState.COMPLETE, 1: optuna.trial.TrialState.PRUNED}
+    assert study.best_value == pytest.approx(0.5 * 0.7)
+    assert study.trials[1].intermediate_values == {0: 2.0, 1: pytest.approx(1.8)}
+    good, pruned = record_of(storage_path, "trial_0"), record_of(storage_path, "trial_1")
+    assert good["status"] == "finished" and good["num_reports"] == 4
+    assert pruned["status"] == "pruned" and pruned["num_reports"] == 2 and "Optuna pruned trial 1" in pruned["stop_reason"]
+    assert pruned["latest_checkpoint"] == "checkpoint_000001"
+    # nothing leaks between the two fits: callbacks, checkpoint files, logs
+    assert [(s.names, s.tags) for s in (seen[0], seen[1])] == [({"trial_0"}, {"t0"}), ({"trial_1"}, {"t1"})]
+    for number in (0, 1):
+        run = Path(storage_path, f"trial_{number}")
+        files = {p.read_text() for p in run.glob("checkpoint_*/rank*.txt")}
+        assert files == {f"t{number}"}
+        log = (run / "logs" / "rank_0.log").read_text()
+        assert f"trial t{number} rank 0" in log and f"trial t{1 - number}" not in log
+    assert threading.active_count() <= threads_before + 1, "no driver thread left running"
+
+
+@pytest.mark.timeout(60)
+def test_fit_raises_trial_pruned(storage_path: str) -> None:
+    from lockstep.optuna import PruningCallback
+
+    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=0.5))
+    trial = study.ask()
+    with pytest.raises(optuna.TrialPruned, match="at report #0"):
+        fit(storage_path, "pruned", LOSSES, callbacks=[PruningCallback(trial, "loss")])
+    assert record_of(storage_path, "pruned")["status"] == "pruned"
+
+
+def test_pruning_callback_without_optuna_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lockstep.optuna
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'lockstep\[optuna\]'"):
+        lockstep.optuna.PruningCallback(object(), "loss")
+
+
+def wait_for(config: dict[str, threading.Event]) -> None:
+    assert config["event"].wait(30), "the other fit never tried to start"
+    lockstep.report({"loss": 1.0})
+
+
+@pytest.mark.timeout(60)
+def test_two_local_mode_fits_at_once_are_refused(storage_path: str) -> None:
+    tried = threading.Event()
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        trainer = TorchTrainer(wait_for, train_loop_config={"event": tried}, scaling_config=ScalingConfig(num_workers=0),
+                               run_config=RunConfig(name="first", storage_path=storage_path, verbose=0))
+        first["result"] = trainer.fit()
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    try:
+        for _ in range(200):
+            if Path(storage_path, "first", "lockstep_run.json").exists():
+                break
+            threading.Event().wait(0.05)
+        with pytest.raises(ValueError, match="'first' already does so from another thread"):
+            fit(storage_path, "second", LOSSES, workers=0)
+    finally:
+        tried.set()
+        thread.join(30)
+    assert first["result"].metrics == {"loss": 1.0}
+    assert not Path(storage_path, "second", "lockstep_run.json").exists(), "refused before its record was opened"
+
+
+def test_cpus_of_fits_at_once_are_counted_and_said_once(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    from lockstep._internal.executors import local_resources
+
+    monkeypatch.setattr(local_resources, "_warned_together", False)
+    cpus = os.cpu_count() or 1
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        with local_resources.cpus_in_use(cpus):
+            assert not caplog.records, "one fit within the machine: nothing to say"
+            with local_resources.cpus_in_use(1), local_resources.cpus_in_use(1):
+                pass
+        with local_resources.cpus_in_use(cpus), local_resources.cpus_in_use(cpus):
+            pass
+    assert [record.getMessage() for record in caplog.records] == [
+        f"2 fits at once ask for {cpus + 1:g} CPUs in all, but this machine has {cpus}; their workers will share "
+        "cores and run slower (run fewer at once, e.g. Optuna's n_jobs)."
+    ]
+    assert local_resources._cpus_in_use == []

@@ -6,6 +6,11 @@ or as a plain line now and then when the output is a file or a pipe.
 Workers' console output and the line share the terminal: the line is wiped before their output
 is written and drawn again after it (see :func:`around_output`).
 
+Several fits at once in one driver (threads, e.g. ``study.optimize(..., n_jobs=2)``) share one
+terminal line: it shows the oldest running fit; each of the others writes its last state on a
+line of its own when it ends, and the next oldest takes over the line. Without a terminal, each
+fit writes its own plain lines.
+
 The line goes to stderr; lockstep's log messages, when you turn them on, go wherever logging
 sends them. On a terminal the line is the account of each report, so lockstep logs its
 per-report lines at DEBUG there, and writes its other messages with :func:`log_clear_of_line`.
@@ -30,7 +35,8 @@ from lockstep.checkpoint import Checkpoint
 #: Without a terminal, a plain line at most this often (and at the end).
 PLAIN_INTERVAL_S = 30.0
 
-_active: ProgressCallback | None = None
+_active: ProgressCallback | None = None  # the line on the terminal: the oldest running fit's
+_running: list[ProgressCallback] = []  # the lines of the fits running in this process, oldest first
 _lock = threading.RLock()
 
 
@@ -58,7 +64,9 @@ class ProgressCallback(Callback):
     def on_run_start(self, run: RunInfo) -> None:
         global _active
         self.started_at = time.monotonic()
-        _active = self
+        with _lock:
+            _running.append(self)
+            _active = _running[0]
 
     def on_attempt_start(self, run: RunInfo, attempt: AttemptStart) -> None:
         self.world_size = attempt.world_size
@@ -79,14 +87,20 @@ class ProgressCallback(Callback):
 
     def on_run_end(self, run: RunInfo, status: str, error: Exception | None) -> None:
         global _active
-        self.finish(status)
-        if _active is self:
-            _active = None
+        with _lock:
+            self.finish(status)
+            if self in _running:
+                _running.remove(self)
+            _active = _running[0] if _running else None
+            if _active is not None and _active is not self and _active.live:
+                _active._write_line(_active.text(), final=False)
 
     def finish(self, status: str) -> None:
-        """The run ended: leave the last state on its own line."""
+        """The run ended: leave the last state on its own line (above another fit's line)."""
         with _lock:
-            if self.live and self._mid_output_line:
+            if _active is not None and _active is not self:
+                _active.wipe()
+            elif self.live and self._mid_output_line:
                 self.stream.write("\n")
             self._write_line(f"{self.text()} | {status}", final=True)
 
@@ -111,8 +125,8 @@ class ProgressCallback(Callback):
 
     def _show(self) -> None:
         with _lock:
-            if self.live and self._mid_output_line:
-                return
+            if self.live and (self._mid_output_line or _active is not self):
+                return  # mid-output, or the terminal's line shows another fit
             if self.live:
                 self._write_line(self.text(), final=False)
             elif time.monotonic() - self._last_plain >= PLAIN_INTERVAL_S and self.report_index is not None:

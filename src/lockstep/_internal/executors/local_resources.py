@@ -1,16 +1,24 @@
-"""What this machine can hold: the local executor's checks of a request before anything starts."""
+"""What this machine can hold: the local executor's checks of a request before anything starts,
+and the CPUs that the fits running at once in this process ask for together."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from lockstep._internal.executors.base import GroupSpec
 
 logger = logging.getLogger(__name__)
 
 LOCAL_RESOURCE_KEYS = ("CPU", "GPU", "memory")
+
+_cpus_lock = threading.Lock()
+_cpus_in_use: list[float] = []  # one entry per local fit running in this process
+_warned_together = False
 
 
 def local_capacity(spec: GroupSpec) -> int:
@@ -73,3 +81,25 @@ def _check_gpus(spec: GroupSpec) -> None:
             f"num_workers={spec.num_workers} with {spec.gpus_per_worker:g} GPU each needs {needed} GPUs; "
             f"this machine has {available}: {hint} or use_gpu=False."
         )
+
+
+@contextmanager
+def cpus_in_use(cpus: float) -> Iterator[None]:
+    """While a local fit whose workers ask for ``cpus`` runs: count them with those of the other
+    fits running in this process (threads, e.g. an Optuna study with ``n_jobs=2``), and say
+    once per process when together they want more CPUs than the machine has."""
+    global _warned_together
+    with _cpus_lock:
+        _cpus_in_use.append(cpus)
+        total, fits, warn = sum(_cpus_in_use), len(_cpus_in_use), False
+        machine = os.cpu_count() or 1
+        if fits > 1 and total > machine and not _warned_together:
+            _warned_together = warn = True
+    if warn:
+        logger.warning("%d fits at once ask for %g CPUs in all, but this machine has %d; their workers will share "
+                       "cores and run slower (run fewer at once, e.g. Optuna's n_jobs).", fits, total, machine)
+    try:
+        yield
+    finally:
+        with _cpus_lock:
+            _cpus_in_use.remove(cpus)
