@@ -185,7 +185,13 @@ def test_fits_at_once_share_one_progress_line(monkeypatch: pytest.MonkeyPatch) -
 
 # -- Optuna: pruning, and fits side by side --------------------------------------------------------
 
-optuna = pytest.importorskip("optuna")
+try:
+    import optuna
+
+    import lockstep.optuna
+except ImportError:  # the tests above run without Optuna; those below need it
+    optuna = None
+needs_optuna = pytest.mark.skipif(optuna is None, reason="needs optuna (pip install 'lockstep[optuna]')")
 
 
 def scaled_losses(config: dict[str, Any]) -> None:
@@ -226,10 +232,9 @@ def optuna_objective(storage_path: str, seen: dict[int, RunsSeen]) -> Any:
     return objective
 
 
+@needs_optuna
 @pytest.mark.timeout(120)
 def test_two_trials_at_once_one_pruned(storage_path: str) -> None:
-    import lockstep.optuna  # noqa: F401
-
     study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=1.5, n_warmup_steps=1))
     study.enqueue_trial({"scale": 0.5})
     study.enqueue_trial({"scale": 2.0})  # 2.0, 1.8 > 1.5 at report #1: pruned there
@@ -255,6 +260,7 @@ def test_two_trials_at_once_one_pruned(storage_path: str) -> None:
     assert threading.active_count() <= threads_before + 1, "no driver thread left running"
 
 
+@needs_optuna
 @pytest.mark.timeout(60)
 def test_fit_raises_trial_pruned(storage_path: str) -> None:
     from lockstep.optuna import PruningCallback
@@ -323,3 +329,31 @@ def test_cpus_of_fits_at_once_are_counted_and_said_once(monkeypatch: pytest.Monk
         "cores and run slower (run fewer at once, e.g. Optuna's n_jobs)."
     ]
     assert local_resources._cpus_in_use == []
+
+
+# -- comparing runs ----------------------------------------------------------------------------------
+
+
+@needs_optuna
+@pytest.mark.timeout(90)
+def test_runs_lists_stopped_and_pruned_and_plot_overlays_runs(storage_path: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from lockstep import cli
+
+    fit(storage_path, "full", LOSSES[:4])
+    fit(storage_path, "stopped", LOSSES, stop={"training_iteration": 2})
+    trial = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=0.5)).ask()
+    with pytest.raises(optuna.TrialPruned):
+        fit(storage_path, "pruned", LOSSES, callbacks=[lockstep.optuna.PruningCallback(trial, "loss")])
+    assert cli.main(["runs", storage_path]) == 0
+    table = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert table == {"full": "finished", "stopped": "stopped", "pruned": "pruned"}
+
+    output = tmp_path / "overlay.png"
+    assert cli.main(["plot", "full", "stopped", "pruned", "--storage", storage_path, "-m", "loss", "-o", str(output)]) == 0
+    assert "wrote" in capsys.readouterr().out and output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(output)).shape[0] > 300
+    assert cli.main(["plot", "full", "nonexistent", "--storage", storage_path, "-o", str(output)]) == 2
+    assert "nonexistent" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     lockstep runs [STORAGE]                      # default ~/lockstep_results
     lockstep show RUN                            # a run folder, or a run name in --storage
-    lockstep plot RUN [--metric M ...] -o curves.png
+    lockstep plot RUN [RUN ...] [--metric M ...] -o curves.png   # several runs: overlaid
 """
 
 from __future__ import annotations
@@ -158,35 +158,53 @@ def import_pyplot() -> Any:
 
 
 def plot_run(run: RunStorage, metrics: Sequence[str] | None, output: str) -> list[str]:
-    """Draw each metric against the report index into ``output`` (one panel per metric);
-    return the metrics drawn.
+    """Draw each metric of one run against the report index into ``output`` (one panel per
+    metric); return the metrics drawn. See :func:`plot_runs`."""
+    return plot_runs([(run, {})], metrics, output)
+
+
+def plot_runs(runs: Sequence[StoredRun], metrics: Sequence[str] | None, output: str) -> list[str]:
+    """Draw each metric against the report index into ``output``, one panel per metric and, with
+    several runs, one line per run (labelled with its name and a status other than finished);
+    return the metrics drawn. Without ``metrics``: those of the first run.
 
     Raises:
-        ValueError: the run has no such metric, or nothing numeric to draw.
+        ValueError: a run lacks a chosen metric, or there is nothing numeric to draw.
         ImportError: matplotlib is not installed.
     """
     plt = import_pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    history = [history_row(report) for report in run.read_reports()]
-    available = plotted_metrics(history)
-    chosen = list(metrics or available)
-    unknown = [name for name in chosen if name not in available]
-    if unknown or not chosen:
-        raise ValueError(f"no numeric metric {unknown or ''} in {run.display_path}; it has: {', '.join(available) or 'none'}.")
-    figure, axes = plt.subplots(len(chosen), 1, figsize=(7, 2.6 * len(chosen)), sharex=True, squeeze=False)
+    histories = [[history_row(report) for report in run.read_reports()] for run, _ in runs]
+    chosen = list(metrics or plotted_metrics(histories[0]))
+    for (run, _), history in zip(runs, histories):
+        available = plotted_metrics(history)
+        unknown = [name for name in chosen if name not in available]
+        if unknown or not chosen:
+            raise ValueError(f"no numeric metric {unknown or ''} in {run.display_path}; it has: {', '.join(available) or 'none'}.")
+    figure, axes = plt.subplots(len(chosen), 1, figsize=(7, 2.6 * len(chosen) + 0.4 * (len(runs) > 1)),
+                                sharex=True, squeeze=False)
     for axis, name in zip(axes[:, 0], chosen):
-        points = [(row["report_index"], row[name]) for row in history if isinstance(row.get(name), (int, float))]
-        axis.plot([index for index, _ in points], [value for _, value in points], marker="o", markersize=3)
+        for (run, record), history in zip(runs, histories):
+            points = [(row["report_index"], row[name]) for row in history if isinstance(row.get(name), (int, float))]
+            axis.plot([index for index, _ in points], [value for _, value in points], marker="o", markersize=3,
+                      label=_run_label(run, record))
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("report")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    figure.suptitle(run.name)
+    if len(runs) > 1:
+        axes[0, 0].legend(fontsize="small", ncol=2 if len(runs) > 4 else 1)
+    figure.suptitle(runs[0][0].name if len(runs) == 1 else f"{len(runs)} runs")
     figure.tight_layout()
     figure.savefig(output, dpi=110)
     plt.close(figure)
     return chosen
+
+
+def _run_label(run: RunStorage, record: dict[str, Any]) -> str:
+    status = shown_status(record) if record else "finished"
+    return run.name if status == "finished" else f"{run.name} ({status})"
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -202,8 +220,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     show.add_argument("run", help="the run folder (path or URI), or a run name in --storage")
     show.add_argument("--storage", default=DEFAULT_STORAGE_PATH, help="where to look a run name up")
     show.add_argument("--all", action="store_true", help=f"every report, not only the last {SHOWN_ROWS}")
-    plot = commands.add_parser("plot", help="draw metrics against the report index")
-    plot.add_argument("run", help="the run folder (path or URI), or a run name in --storage")
+    plot = commands.add_parser("plot", help="draw metrics against the report index (several runs: overlaid)")
+    plot.add_argument("run", nargs="+", help="run folders (paths or URIs), or run names in --storage")
     plot.add_argument("--storage", default=DEFAULT_STORAGE_PATH)
     plot.add_argument("--metric", "-m", action="append", help="a metric to draw (repeat it; default: every numeric one)")
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
@@ -224,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "show":
             print(run_summary(open_run(args.run, args.storage), args.all), end="")
         else:
-            drawn = plot_run(open_run(args.run, args.storage)[0], args.metric, args.output)
+            drawn = plot_runs([open_run(run, args.storage) for run in args.run], args.metric, args.output)
             print(f"wrote {args.output} ({', '.join(drawn)})")
     except (OSError, ValueError, ImportError) as error:
         print(f"lockstep {args.command}: {type(error).__name__}: {error}", file=sys.stderr)

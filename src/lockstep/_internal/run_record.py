@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")  # orders runs started within a second
 
 
 class RunRecorder:
