@@ -18,6 +18,7 @@ from typing import Any
 from lockstep._internal.filesystems import join, resolve_filesystem
 from lockstep._internal.metrics_text import metrics_text
 from lockstep._internal.storage import RECORD_FILE, RunStorage
+from lockstep._internal.stragglers import rank_table
 from lockstep.callbacks import numeric_metrics
 from lockstep.config import DEFAULT_STORAGE_PATH
 from lockstep.result import history_row, result_from_record
@@ -101,9 +102,11 @@ def runs_table(runs: list[StoredRun]) -> str:
 
 
 def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
-    """What ``lockstep show`` prints: the record, the metrics table, and the failure if any."""
+    """What ``lockstep show`` prints: the record, the metrics table, where each rank's time
+    went (and the slowest rank, if one holds the others back), and the failure if any."""
     run, record = stored
-    result = result_from_record(run, record, run.read_reports())
+    reports = run.read_reports()
+    result = result_from_record(run, record, reports)
     lines = [
         f"run:          {record.get('name', run.name)}",
         f"path:         {run.display_path}",
@@ -121,6 +124,9 @@ def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
             lines.append(f"last {len(shown)} of {len(frame)} reports (--all for every one):")
         table = shown.drop(columns=["timestamp"], errors="ignore").dropna(axis=1, how="all")
         lines += [table.to_string(index=False), ""]
+    per_rank = rank_table(reports)
+    if per_rank:
+        lines += [*per_rank, ""]
     if result.error is not None:
         lines += ["failure:", str(result.error)]
     return "\n".join(lines).rstrip() + "\n"

@@ -34,10 +34,12 @@ from lockstep._internal.failures import AttemptOutcome
 from lockstep._internal.listeners import Listeners
 from lockstep._internal.liveness import Liveness, RestartPolicy
 from lockstep._internal.preemption import HangUp, Preemption, PreemptionStop
+from lockstep._internal.progress import note_slow_rank
 from lockstep._internal.report_barrier import ReportBarrier
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.stopping import Stopping
 from lockstep._internal.storage import CheckpointEntry
+from lockstep._internal.stragglers import slowest_rank, times_record
 from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
 from lockstep.config import DEFAULT_PREEMPTION_GRACE_S
 from lockstep.errors import ControllerError, PreemptionError, TrainingFailedError, WorkerGroupError
@@ -346,7 +348,8 @@ class Controller:
     def _record(self, index: int, calls: dict[int, protocol.Report], attempt: Attempt) -> None:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
         dir_name = agreed_dir_name(index, calls.values())
-        report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name)
+        report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name, times_record(calls))
+        note_slow_rank(slowest_rank(self.recorder.reports))
         self.listeners.after_report(index, report["metrics"])
         if dir_name is not None:
             attempt.commits.reported(index, dir_name, report["metrics"], calls.values())

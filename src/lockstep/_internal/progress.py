@@ -1,7 +1,9 @@
 """The driver's progress line: where the run is, on one line that updates in place on a terminal,
 or as a plain line now and then when the output is a file or a pipe.
 
-    lockstep mnist | report 12 | 0:01:23 | 2/2 workers | ckpt checkpoint_000011 | loss=0.3123 acc=0.8812
+    lockstep mnist | report 12 | 0:01:23 | 2/2 workers | ckpt checkpoint_000011 | slow: rank 1 (data) | loss=0.3123
+
+``slow:`` names a rank that holds the others back (see :mod:`lockstep._internal.stragglers`).
 
 Workers' console output and the line share the terminal: the line is wiped before their output
 is written and drawn again after it (see :func:`around_output`).
@@ -29,12 +31,14 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from lockstep._internal.metrics_text import metrics_text
+from lockstep._internal.stragglers import SlowRank
 from lockstep.callbacks import AttemptStart, Callback, RunInfo
 from lockstep.checkpoint import Checkpoint
 
 #: Without a terminal, a plain line at most this often (and at the end).
 PLAIN_INTERVAL_S = 30.0
 
+logger = logging.getLogger(__name__)
 _active: ProgressCallback | None = None  # the line on the terminal: the oldest running fit's
 _running: list[ProgressCallback] = []  # the lines of the fits running in this process, oldest first
 _lock = threading.RLock()
@@ -55,6 +59,7 @@ class ProgressCallback(Callback):
         self.workers_alive = 0
         self.checkpoint: str | None = None
         self.restarts = 0
+        self.slow_rank: SlowRank | None = None
         self._drawn = False
         self._last_plain = 0.0
         self._mid_output_line = False
@@ -119,6 +124,8 @@ class ProgressCallback(Callback):
             parts.append(f"{self.restarts} restart(s)")
         if self.checkpoint:
             parts.append(f"ckpt {self.checkpoint}")
+        if self.slow_rank is not None:
+            parts.append(f"slow: {self.slow_rank.short()}")
         if self.metrics:
             parts.append(metrics_text(self.metrics, separator=" ", scalars_only=True))
         return " | ".join(parts)
@@ -179,6 +186,17 @@ def around_output(ends_line: bool = True) -> Iterator[None]:
         finally:
             if line is not None:
                 line.after_output(ends_line)
+
+
+def note_slow_rank(slow: SlowRank | None) -> None:
+    """Show ``slow`` (or no slow rank) on the active progress line from its next update; log
+    when the slow rank changes."""
+    line = _active
+    if line is None or line.slow_rank == slow:
+        return
+    if slow is not None and (line.slow_rank is None or line.slow_rank.rank != slow.rank):
+        log_clear_of_line(logger, logging.INFO, "slowest: %s (the other ranks wait for it)", slow.describe())
+    line.slow_rank = slow
 
 
 def log_clear_of_line(log: logging.Logger, level: int, message: str, *args: Any) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from lockstep._internal.step_timing import StepTimes
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
 
@@ -55,7 +56,8 @@ class Report:
     ``checkpoint_state`` says where this rank's checkpoint files are: ``"written"`` (in the
     checkpoint folder already), ``"uploading"`` (an ASYNC upload follows with
     :class:`CheckpointUploaded`) or ``"external"`` (NO_UPLOAD: registered where it is, at
-    ``external_path``); None when this rank passed no checkpoint.
+    ``external_path``); None when this rank passed no checkpoint. ``step_times``: where the
+    rank's time since its previous report went (see :mod:`lockstep._internal.step_timing`).
     """
 
     rank: int
@@ -64,6 +66,7 @@ class Report:
     checkpoint_dir_name: str | None = None
     checkpoint_state: str | None = None
     external_path: str | None = None
+    step_times: StepTimes | None = None
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ MESSAGE_TYPES: dict[str, type] = {
     kind.__name__: kind
     for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output,
                  PreemptionNotice, Finished, Failed, Start, Preempted, ReportDone, CollectiveDone, ReportedCheckpoints,
-                 WorkerFailure, CheckpointEntry)
+                 WorkerFailure, CheckpointEntry, StepTimes)
 }
 TYPE_KEY = "~type"
 BYTES_KEY = "~bytes"

@@ -106,14 +106,20 @@ class RunRecorder:
 
     # -- committing ---------------------------------------------------------------------------
 
-    def log_report(self, index: int, metrics_json: str, checkpoint_dir_name: str | None) -> dict[str, Any]:
-        """Add one report (every rank has made it) to the history."""
-        report = {
+    def log_report(
+        self, index: int, metrics_json: str, checkpoint_dir_name: str | None,
+        step_times: dict[str, dict[str, float]] | None = None,
+    ) -> dict[str, Any]:
+        """Add one report (every rank has made it) to the history, with each rank's
+        ``step_times`` when they sent them (see :mod:`lockstep._internal.stragglers`)."""
+        report: dict[str, Any] = {
             "report_index": index,
             "timestamp": time.time(),
             "metrics": json.loads(metrics_json),
             "checkpoint_dir_name": checkpoint_dir_name,
         }
+        if step_times is not None:
+            report["step_times"] = step_times
         self._log.append(json.dumps(report))
         self.reports.append(report)
         return report

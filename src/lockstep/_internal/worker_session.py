@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from lockstep._internal import protocol
 from lockstep._internal.checkpoint_upload import CheckpointUploader, Upload, UploadFn, check_deletable, delete_local, upload
+from lockstep._internal.step_timing import CLOCK
 from lockstep._internal.storage import RESERVED_NAMES
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, TrainContext
@@ -43,6 +45,7 @@ class WorkerSession:
         self._uploader: CheckpointUploader | None = None
         self._next_collective_seq = 0
         self.preemption_info: PreemptionInfo | None = None
+        CLOCK.restart()
 
     def report(
         self,
@@ -63,8 +66,9 @@ class WorkerSession:
             message = dataclasses.replace(
                 message, checkpoint_dir_name=job.dir_name, checkpoint_state=state, external_path=external
             )
-        self._channel.send(message)
+        self._channel.send(dataclasses.replace(message, step_times=CLOCK.close_window()))
         done = self._answer(protocol.ReportDone)
+        CLOCK.report_ns += time.perf_counter_ns() - CLOCK.window_start_ns
         self._next_report_index = index + 1
         if done.new_latest_checkpoint is not None:
             self._checkpoint = self.context.storage.checkpoint_of(done.new_latest_checkpoint)
@@ -183,8 +187,11 @@ class WorkerSession:
         to enter it; return rank 0's ``data``."""
         seq = self._next_collective_seq
         self._next_collective_seq += 1
+        entered = time.perf_counter_ns()
         self._channel.send(protocol.Collective(self.context.world_rank, seq, op, data))
-        return self._answer(protocol.CollectiveDone).data
+        answer = self._answer(protocol.CollectiveDone)
+        CLOCK.collective_ns += time.perf_counter_ns() - entered
+        return answer.data
 
     def get_dataset_shard(self, dataset_name: str | None = None) -> Any:
         """This rank's shard of the dataset passed as ``datasets={dataset_name: ...}``; with no

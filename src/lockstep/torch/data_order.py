@@ -11,6 +11,9 @@ A :class:`ResumableDataLoader` is a ``DataLoader`` over a ``DistributedSampler``
 The batches already seen are left out at the index level (the index iterator skips them), so
 their samples are never loaded, and the data loader's worker processes (``num_workers > 0``)
 see only the rest.
+
+The time each ``next()`` on the loader's iterator takes is the rank's data wait
+(:mod:`lockstep._internal.step_timing`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from lockstep._internal.step_timing import timed_batches
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self._next_pass()
         self._start_pass(epoch, skip)
-        return self._counted(super().__iter__(), self._passes)
+        return self._counted(timed_batches(super().__iter__()), self._passes)
 
     def _counted(self, batches: Iterator[Any], pass_number: int) -> Iterator[Any]:
         """``batches``, counting each one handed to the caller (a stale pass counts nothing)."""

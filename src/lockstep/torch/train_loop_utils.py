@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from lockstep._internal.deprecated import removed_function
 from lockstep._internal.devices import cuda_visible_devices
+from lockstep._internal.step_timing import AllReduceTail, timed_allreduce_hook, timed_batches
 from lockstep.context import current_session
 from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
 
@@ -113,7 +114,7 @@ def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: d
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device])
             kwargs.setdefault("output_device", device)
-        return DistributedDataParallel(model, **kwargs)
+        return _with_comm_timing(DistributedDataParallel(model, **kwargs))
     if device.type == "cpu":
         raise ValueError(
             "prepare_model: parallel_strategy='fsdp' needs GPUs (torch's FSDP has no CPU mode); "
@@ -123,6 +124,21 @@ def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: d
 
     kwargs.setdefault("device_id", device)
     return FullyShardedDataParallel(model, **kwargs)
+
+
+def _with_comm_timing(model: DistributedDataParallel) -> DistributedDataParallel:
+    """On gloo, time the gradient all-reduce's wait (step_timing) with a comm hook registered at
+    the first forward, unless the user registered one of their own by then."""
+    if dist.get_backend(model.process_group) != "gloo":
+        return model
+
+    def register_once(module: DistributedDataParallel, _: Any) -> None:
+        handle.remove()
+        if not module._comm_hooks and module._get_ddp_logging_data().get("comm_hook") in (None, ""):
+            module.register_comm_hook(AllReduceTail(), timed_allreduce_hook)
+
+    handle = model.register_forward_pre_hook(register_once)
+    return model
 
 
 # -- data loader ---------------------------------------------------------------------------------
@@ -259,8 +275,11 @@ class DeviceDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._prefetch:
             self._held = 0
-            return self._iter_prefetching()
-        return (move_to_device(batch, self._device) for batch in self._loader)
+            batches = self._iter_prefetching()
+        else:
+            batches = (move_to_device(batch, self._device) for batch in self._loader)
+        # a ResumableDataLoader times its own batches; time the others here (with the copy)
+        return batches if isinstance(self._loader, ResumableDataLoader) else timed_batches(batches)
 
     def _iter_prefetching(self) -> Iterator[Any]:
         """Copy batch n+1 on a side stream while the caller works on batch n."""
