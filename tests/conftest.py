@@ -23,11 +23,15 @@ DATA_DIR = Path(os.environ.get("LOCKSTEP_DATA", REPO_ROOT.parent / "shared" / "d
 
 def tagged_processes() -> list[int]:
     """Processes other than this one that inherited this test session's tag (workers,
-    drivers started by tests, their children)."""
+    drivers started by tests, their children). This process's warm process (started when a
+    test module imported lockstep.torch, kept for the whole session) is not counted."""
+    from lockstep._internal.warm_start import warm_process_pid
+
     found = []
     needle = TEST_TAG.encode()
+    ours = {os.getpid(), warm_process_pid()}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in ours:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as handle:

@@ -31,9 +31,10 @@ ENV_STACK_FILE = "LOCKSTEP_STACK_FILE"
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when the driver dies (Linux), and exit now if it
-    already has."""
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), and exit now if it
+    already has. The parent is the driver, or ``parent_pid`` (the warm process that forked it,
+    which dies with the driver)."""
     from lockstep._internal.protocol import ENV_DRIVER_PID
 
     driver_pid = os.environ.get(ENV_DRIVER_PID)
@@ -41,7 +42,7 @@ def die_with_parent() -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(driver_pid):
+    if os.getppid() != (parent_pid or int(driver_pid)):
         os._exit(1)
 
 
@@ -58,9 +59,10 @@ def answer_stack_requests() -> None:
 _stack_file: Any = None
 
 
-def main() -> None:
-    """Run one rank of the job and exit."""
-    die_with_parent()
+def main(forked_by: int | None = None) -> None:
+    """Run one rank of the job and exit. ``forked_by``: the warm process this rank was forked
+    from (see :mod:`lockstep._internal.zygote`), None when the driver started it."""
+    die_with_parent(forked_by)
     answer_stack_requests()
     from lockstep._internal import protocol
     from lockstep._internal.preemption import rank_signals

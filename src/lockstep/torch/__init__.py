@@ -38,3 +38,10 @@ __all__ = [
     "prepare_model",
     "prepare_optimizer",
 ]
+
+# A driver that imports this module will likely call fit(): warm a process for its workers now,
+# while the driver goes on with its own imports (lockstep._internal.warm_start; LOCKSTEP_WARM_START=0
+# turns it off; nothing starts in workers, under torchrun or in Ray workers).
+from lockstep._internal import warm_start as _warm_start  # noqa: E402
+
+_warm_start.start_in_background()

@@ -1,7 +1,8 @@
 """The local executor: each rank is a fresh Python process on this machine, and this process
 drives the run.
 
-Processes are started with ``subprocess`` (never a fork of the driver), each in its own
+Processes are started with ``subprocess``, or forked by a warm process that imported torch
+before ``fit()`` (never a fork of the driver; see :mod:`lockstep._internal.warm_start`), each in its own
 process group so that stopping a rank also stops its data-loader processes. The driver waits
 on the workers' sockets and process handles at once, so it wakes only when something happens.
 """
@@ -20,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from lockstep._internal import warm_start
 from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
@@ -71,6 +73,16 @@ def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
     return list(range(rank * per_worker, (rank + 1) * per_worker))
 
 
+def start_rank_process(env: dict[str, str], payload_fd: int, piped: bool) -> subprocess.Popen[bytes]:
+    """Start a rank as a fresh interpreter in a session of its own (the plain way; see
+    :mod:`lockstep._internal.warm_start` for the warm one), its output piped when ``piped``."""
+    stream = subprocess.PIPE if piped else None
+    return subprocess.Popen(
+        [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True,
+        pass_fds=[payload_fd], stdout=stream, stderr=stream,
+    )
+
+
 class LocalExecutor(Executor):
     """Worker processes on this machine, started afresh for each attempt.
 
@@ -102,7 +114,7 @@ class LocalWorkerGroup(ChannelGroup):
         super().__init__(LOOPBACK, spec.log_dir, spec.console)
         self.spec = spec
         self.payload = payload
-        self._processes: dict[int, subprocess.Popen[bytes]] = {}
+        self._processes: dict[int, warm_start.RankProcess] = {}
         self._exit_handles: dict[int, int] = {}
         self._payload_fd: int | None = None
         self._store: Any = None
@@ -116,17 +128,14 @@ class LocalWorkerGroup(ChannelGroup):
         self._store = host_rendezvous_store(LOOPBACK)
         master_port = self._store.port
         gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
+        start_rank = warm_start.rank_starter(self.payload, start_rank_process)
         for rank in range(self.spec.num_workers):
             env = self._worker_env(rank, master_port, gpu_ids)
-            piped = subprocess.PIPE if self._output is not None else None
-            process = subprocess.Popen(
-                [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True,
-                pass_fds=[self._payload_fd], stdout=piped, stderr=piped,
-            )
+            process = start_rank(env, self._payload_fd, self._output is not None)
             if self._output is not None:
                 self._output.attach(rank, process.stdout, process.stderr)
             self._processes[rank] = process
-            self._exit_handles[rank] = os.pidfd_open(process.pid)
+            self._exit_handles[rank] = warm_start.exit_handle(process)
         logger.debug("started %d worker processes", self.spec.num_workers)
 
     def _worker_env(self, rank: int, master_port: int, gpu_ids: list[str]) -> dict[str, str]:
