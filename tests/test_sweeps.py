@@ -357,3 +357,59 @@ def test_runs_lists_stopped_and_pruned_and_plot_overlays_runs(storage_path: str,
     assert matplotlib.image.imread(str(output)).shape[0] > 300
     assert cli.main(["plot", "full", "nonexistent", "--storage", storage_path, "-o", str(output)]) == 2
     assert "nonexistent" in capsys.readouterr().err
+
+
+# -- the example: one driver, and two drivers on one study -------------------------------------------
+
+EXAMPLE = REPO / "examples" / "sweep_fashion_mnist.py"
+
+
+def run_example(args: list[str], data_dir: Path, storage_path: str, timeout: float) -> subprocess.Popen[str]:
+    return subprocess.Popen([PYTHON, str(EXAMPLE), "--data-dir", str(data_dir), "--storage-path", storage_path, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def finished(process: subprocess.Popen[str], timeout: float) -> str:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    assert process.returncode == 0, f"{out}\n{err}"
+    return out
+
+
+def statuses(storage_path: str) -> dict[str, str]:
+    return {path.parent.name: json.loads(path.read_text())["status"] for path in Path(storage_path).glob("*/lockstep_run.json")}
+
+
+@needs_optuna
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sweep_example_smoke_test(storage_path: str, tmp_path: Path, data_dir: Path) -> None:
+    plot = tmp_path / "sweep.png"
+    out = finished(run_example(["--smoke-test", "--study-name", "smoke", "--plot", str(plot)], data_dir, storage_path, 190),
+                   190)
+    assert "8 trials in" in out and "best: trial #" in out and f"Plot: {plot}" in out, out
+    table = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert len(table) == 8 and {row[3] for row in table} <= {"complete", "pruned"}
+    runs = statuses(storage_path)
+    assert runs == {f"smoke_trial_{int(row[0]):02d}": "finished" if row[3] == "complete" else "pruned" for row in table}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_optuna
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_driver_processes_work_on_one_sqlite_study(storage_path: str, tmp_path: Path, data_dir: Path) -> None:
+    database = f"sqlite:///{tmp_path / 'study.db'}"
+    optuna.create_study(study_name="shared", storage=database)  # as `optuna create-study` would, once
+    args = ["--smoke-test", "--epochs", "2", "--trials", "1", "--jobs", "1", "--study-name", "shared",
+            "--study-storage", database, "--plot", ""]
+    drivers = [run_example([*args, "--seed", str(seed)], data_dir, storage_path, 190) for seed in (1, 2)]
+    outputs = [finished(driver, 190) for driver in drivers]
+    study = optuna.load_study(study_name="shared", storage=database)
+    assert sorted(trial.number for trial in study.trials) == [0, 1], "one trial each, numbered by the shared study"
+    assert all(trial.state.is_finished() and len(trial.intermediate_values) >= 1 for trial in study.trials)
+    assert set(statuses(storage_path)) == {"shared_trial_00", "shared_trial_01"}
+    assert any("2 trials in" in out for out in outputs), "the driver that ends last sees both drivers' trials"
