@@ -2,9 +2,17 @@
 ``ray.train.torch``). Ray Train's deprecated AMP helpers (``accelerate``, ``backward``,
 ``prepare_optimizer``) and ``TorchCheckpoint`` import, and raise when used, saying what to use."""
 
-from lockstep._internal.deprecated import removed_class
-from lockstep.torch.config import TorchConfig
-from lockstep.torch.train_loop_utils import (
+# A driver that imports this module will likely call fit(): warm a process for its workers now,
+# before torch is imported here, so that it imports torch while the driver does
+# (lockstep._internal.warm_start; LOCKSTEP_WARM_START=0 turns it off; nothing starts in workers,
+# under torchrun or in Ray workers).
+from lockstep._internal import warm_start as _warm_start
+
+_warm_start.start_in_background()
+
+from lockstep._internal.deprecated import removed_class  # noqa: E402
+from lockstep.torch.config import TorchConfig  # noqa: E402
+from lockstep.torch.train_loop_utils import (  # noqa: E402
     accelerate,
     backward,
     enable_reproducibility,
@@ -15,7 +23,7 @@ from lockstep.torch.train_loop_utils import (
     prepare_model,
     prepare_optimizer,
 )
-from lockstep.torch.trainer import TorchTrainer
+from lockstep.torch.trainer import TorchTrainer  # noqa: E402
 
 TorchCheckpoint = removed_class(
     "lockstep.torch.TorchCheckpoint",
@@ -38,10 +46,3 @@ __all__ = [
     "prepare_model",
     "prepare_optimizer",
 ]
-
-# A driver that imports this module will likely call fit(): warm a process for its workers now,
-# while the driver goes on with its own imports (lockstep._internal.warm_start; LOCKSTEP_WARM_START=0
-# turns it off; nothing starts in workers, under torchrun or in Ray workers).
-from lockstep._internal import warm_start as _warm_start  # noqa: E402
-
-_warm_start.start_in_background()
