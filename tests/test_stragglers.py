@@ -177,3 +177,22 @@ def test_a_balanced_run_names_nobody(storage_path: str) -> None:
     shown = run(storage_path, "balanced", data_delay_s=DELAY_S / 2, forward_delay_s=DELAY_S / 2, everyone=True)
     assert "slowest: none" in shown, shown
     assert "RANK" in shown and "COMPUTE" in shown
+
+
+def own_hook_train_func(config: dict[str, Any]) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = prepare_model(Net(0.0))
+    model.register_comm_hook(None, allreduce_hook)  # the user's own hook still registers
+    loss = model(torch.randn(4, 16)).sum()
+    loss.backward()
+    lockstep.report({"loss": loss.item(), "hooks": len(model._comm_hooks)})
+
+
+@pytest.mark.timeout(90)
+def test_a_users_own_comm_hook_replaces_the_timing_hook(storage_path: str) -> None:
+    result = TorchTrainer(
+        own_hook_train_func, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="own_hook", storage_path=storage_path, verbose=0),
+    ).fit()
+    assert result.metrics is not None and result.metrics["hooks"] == 1

@@ -129,6 +129,24 @@ def timed_allreduce_hook(state: AllReduceTail, bucket: Any) -> Any:
     return future.then(reduced)
 
 
+def with_all_reduce_timing(model: Any) -> Any:
+    """``model`` (a DistributedDataParallel) timing its gradient all-reduce's wait, on gloo: a comm
+    hook is registered at the first forward, unless the user registered one of their own by then
+    (DDP takes one hook per model)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(model.process_group) != "gloo":
+        return model
+
+    def register_once(module: Any, _: Any) -> None:
+        handle.remove()
+        if not module._comm_hooks and not module._get_ddp_logging_data().get("comm_hook"):
+            module.register_comm_hook(AllReduceTail(), timed_allreduce_hook)
+
+    handle = model.register_forward_pre_hook(register_once)
+    return model
+
+
 # DDP compares a hook's annotations with torch's types by value; postponed (string) annotations
 # would fail that check, so the hook shows DDP none (its hints stay in the source).
 timed_allreduce_hook.__annotations__ = {}

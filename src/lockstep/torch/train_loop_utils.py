@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from lockstep._internal.deprecated import removed_function
 from lockstep._internal.devices import cuda_visible_devices
-from lockstep._internal.step_timing import AllReduceTail, timed_allreduce_hook, timed_batches
+from lockstep._internal.step_timing import timed_batches, with_all_reduce_timing
 from lockstep.context import current_session
 from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
 
@@ -114,7 +114,7 @@ def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: d
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device])
             kwargs.setdefault("output_device", device)
-        return _with_comm_timing(DistributedDataParallel(model, **kwargs))
+        return with_all_reduce_timing(DistributedDataParallel(model, **kwargs))
     if device.type == "cpu":
         raise ValueError(
             "prepare_model: parallel_strategy='fsdp' needs GPUs (torch's FSDP has no CPU mode); "
@@ -124,21 +124,6 @@ def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: d
 
     kwargs.setdefault("device_id", device)
     return FullyShardedDataParallel(model, **kwargs)
-
-
-def _with_comm_timing(model: DistributedDataParallel) -> DistributedDataParallel:
-    """On gloo, time the gradient all-reduce's wait (step_timing) with a comm hook registered at
-    the first forward, unless the user registered one of their own by then."""
-    if dist.get_backend(model.process_group) != "gloo":
-        return model
-
-    def register_once(module: DistributedDataParallel, _: Any) -> None:
-        handle.remove()
-        if not module._comm_hooks and module._get_ddp_logging_data().get("comm_hook") in (None, ""):
-            module.register_comm_hook(AllReduceTail(), timed_allreduce_hook)
-
-    handle = model.register_forward_pre_hook(register_once)
-    return model
 
 
 # -- data loader ---------------------------------------------------------------------------------
