@@ -42,6 +42,27 @@ def tagged_processes() -> list[int]:
     return found
 
 
+#: Variables ray.init() sets in its caller's environment (a new local Ray turns token
+#: authentication on), which would otherwise reach the subprocesses of later tests.
+RAY_VARIABLES = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")
+# Every Ray the tests start is private to this machine and session: no token authentication,
+# so clusters started in-process, drivers started as subprocesses and `ray start` on the test
+# hosts all agree (Ray 2.60 turns tokens on for a new local Ray and writes ~/.ray/auth_token).
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+
+@pytest.fixture(autouse=True)
+def ray_variables_restored() -> Iterator[None]:
+    """Put back the Ray variables a test (or its Ray) changed in this process's environment."""
+    saved = {name: os.environ.get(name) for name in RAY_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def no_process_left_behind() -> None:
     """Fail a test that leaves any process it started running. Killed processes take a moment
