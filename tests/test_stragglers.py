@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 import lockstep
 from lockstep import RunConfig, ScalingConfig
 from lockstep._internal import progress
-from lockstep._internal.stragglers import SlowRank, rank_table, slowest_rank
+from lockstep._internal.stragglers import SlowRank, rank_table, recent_times, slowest_rank
 from lockstep.cli import open_run, run_summary
 from lockstep.torch import TorchTrainer, prepare_data_loader, prepare_model
 
@@ -32,49 +32,53 @@ def history(*per_report: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     return [{"report_index": index, "metrics": {}, "step_times": ranks} for index, ranks in enumerate(per_report)]
 
 
+def slowest(reports: list[dict[str, Any]]) -> SlowRank | None:
+    return slowest_rank(recent_times(reports))
+
+
 def test_a_rank_waiting_for_data_while_the_others_wait_for_it_is_named() -> None:
     slow_data = {"0": times(1.0, data=0.05, collective=0.6, report=0.05), "1": times(1.0, data=0.7, collective=0.02)}
-    slow = slowest_rank(history(*[slow_data] * 6))
+    slow = slowest(history(*[slow_data] * 6))
     assert slow is not None and (slow.rank, slow.cause) == (1, "data")
     assert slow.describe() == "rank 1 — data loading, 70% of its step time"
 
 
 def test_a_rank_computing_longer_is_named_for_compute() -> None:
     slow_compute = {"0": times(1.0, data=0.01, collective=0.55), "1": times(1.0, data=0.01, collective=0.05)}
-    slow = slowest_rank(history(*[slow_compute] * 4))
+    slow = slowest(history(*[slow_compute] * 4))
     assert slow is not None and (slow.rank, slow.cause) == (1, "compute")
     assert slow.short() == "rank 1 (compute)"
 
 
 def test_balanced_ranks_name_nobody() -> None:
     balanced = {"0": times(1.0, data=0.2, collective=0.1, report=0.02), "1": times(1.0, data=0.25, collective=0.05)}
-    assert slowest_rank(history(*[balanced] * 6)) is None
+    assert slowest(history(*[balanced] * 6)) is None
     assert "slowest: none" in "\n".join(rank_table(history(*[balanced] * 6)))
 
 
 def test_a_small_difference_in_a_tight_loop_names_nobody() -> None:
     # rank 1 is twice as busy, but by 2% of the time between reports: jitter, not a straggler
     tight = {"0": times(1.0, collective=0.97), "1": times(1.0, collective=0.95)}
-    assert slowest_rank(history(*[tight] * 6)) is None
+    assert slowest(history(*[tight] * 6)) is None
 
 
 def test_a_rank_slow_now_and_then_is_not_named() -> None:
     slow_once = {"0": times(1.0, collective=0.6), "1": times(1.0, collective=0.0)}
     balanced = {"0": times(1.0, collective=0.1), "1": times(1.0, collective=0.1)}
-    assert slowest_rank(history(balanced, slow_once, balanced, slow_once, balanced, balanced)) is None
+    assert slowest(history(balanced, slow_once, balanced, slow_once, balanced, balanced)) is None
 
 
 def test_too_few_reports_name_nobody_and_only_recent_reports_count() -> None:
     slow = {"0": times(1.0, collective=0.6), "1": times(1.0)}
     balanced = {"0": times(1.0), "1": times(1.0)}
-    assert slowest_rank(history(slow, slow)) is None
-    assert slowest_rank(history(*[slow] * 10, *[balanced] * 6)) is None
-    assert slowest_rank(history(*[balanced] * 10, *[slow] * 6)) == SlowRank(1, "compute", 1.0)
+    assert slowest(history(slow, slow)) is None
+    assert slowest(history(*[slow] * 10, *[balanced] * 6)) is None
+    assert slowest(history(*[balanced] * 10, *[slow] * 6)) == SlowRank(1, "compute", 1.0)
 
 
 def test_old_records_without_step_times_show_no_table() -> None:
     old = [{"report_index": 0, "metrics": {"loss": 1.0}, "checkpoint_dir_name": None}]
-    assert rank_table(old) == [] and slowest_rank(old) is None
+    assert rank_table(old) == [] and slowest(old) is None
 
 
 def test_the_progress_line_shows_the_slow_rank() -> None:
@@ -162,6 +166,7 @@ def test_a_rank_slowed_in_its_data_loader_is_named(storage_path: str) -> None:
     assert "slowest: rank 1 — data loading" in shown, shown
     step_times = recorded_step_times(storage_path, "slow_data")
     assert len(step_times) == REPORTS and all(set(ranks) == {"0", "1"} for ranks in step_times)
+    assert "step_times" not in lockstep.Result.from_path(Path(storage_path) / "slow_data").metrics_dataframe
     # the fast rank waited for rank 1 in the gradient all-reduce (timed by prepare_model's hook)
     assert sum(ranks["0"]["collective"] for ranks in step_times[2:]) > 0.5 * STEPS_PER_REPORT * DELAY_S * (REPORTS - 2)
 

@@ -349,7 +349,7 @@ class Controller:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
         dir_name = agreed_dir_name(index, calls.values())
         report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name, times_record(calls))
-        note_slow_rank(slowest_rank(self.recorder.reports))
+        note_slow_rank(slowest_rank(self.recorder.recent_step_times))
         self.listeners.after_report(index, report["metrics"])
         if dir_name is not None:
             attempt.commits.reported(index, dir_name, report["metrics"], calls.values())

@@ -9,11 +9,13 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
 from lockstep._internal.checkpoints import best_checkpoints, checkpoints_to_delete
 from lockstep._internal.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
+from lockstep._internal.stragglers import RECENT_REPORTS
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig
 from lockstep.result import Result, error_to_record, result_from_record
@@ -46,6 +48,11 @@ class RunRecorder:
         self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
         self.checkpoints = [CheckpointEntry(**entry) for entry in self.record.get("checkpoints", [])]
         self._log = storage.open_report_log([json.dumps(report) for report in self.reports])
+        # per-rank step times stay in reports.jsonl; in memory only the recent ones (they grow with ranks)
+        self.recent_step_times: deque[dict[str, dict[str, float]]] = deque(maxlen=RECENT_REPORTS)
+        for report in self.reports:
+            if report.get("step_times"):
+                self.recent_step_times.append(report.pop("step_times"))
 
     def check_resumable(self) -> None:
         """Refuse to continue a run whose record names a checkpoint that is gone.
@@ -118,9 +125,9 @@ class RunRecorder:
             "metrics": json.loads(metrics_json),
             "checkpoint_dir_name": checkpoint_dir_name,
         }
+        self._log.append(json.dumps(report if step_times is None else {**report, "step_times": step_times}))
         if step_times is not None:
-            report["step_times"] = step_times
-        self._log.append(json.dumps(report))
+            self.recent_step_times.append(step_times)
         self.reports.append(report)
         return report
 

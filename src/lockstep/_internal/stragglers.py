@@ -114,9 +114,10 @@ def recent_times(reports: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Rank
     return timed[::-1]
 
 
-def slowest_rank(reports: Sequence[Mapping[str, Any]]) -> SlowRank | None:
-    """The consistently slow rank of a run history (report dicts as in reports.jsonl), or None."""
-    recent = recent_times(reports)
+def slowest_rank(recent: Sequence[Mapping[str, RankTimes]]) -> SlowRank | None:
+    """The consistently slow rank, from the step times of the latest reports (as
+    :func:`recent_times` picks them), or None."""
+    recent = list(recent)[-RECENT_REPORTS:]
     if len(recent) < MIN_REPORTS:
         return None
     verdicts = [slow_in(times) for times in recent]
@@ -159,6 +160,6 @@ def rank_table(reports: Sequence[Mapping[str, Any]]) -> list[str]:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = [f"time per rank, last {len(recent)} reports (shares of the time between reports):"]
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    slow = slowest_rank(reports)
+    slow = slowest_rank(recent)
     lines.append(f"slowest: {slow.describe()}" if slow else "slowest: none (the ranks are balanced)")
     return lines
