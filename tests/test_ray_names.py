@@ -127,7 +127,7 @@ def test_every_deprecated_name_raises_when_called(module_name: str, name: str, s
 
 
 @pytest.mark.parametrize("make, error, says", [
-    (lambda: RunConfig(stop={"training_iteration": 3}), NotImplementedError, "End the train function yourself"),
+    (lambda: RunConfig(stop=["training_iteration"]), ValueError, "a dict of metric -> threshold"),
     (lambda: RunConfig(log_to_file="train.log"), ValueError, "logs/rank_<r>.log"),
     (lambda: RunConfig(log_to_file=("out", "err")), ValueError, "drop log_to_file"),
     (lambda: RunConfig(sync_config=object()), ValueError, "storage_path"),

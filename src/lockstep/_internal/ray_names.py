@@ -61,8 +61,9 @@ RAY_TRAIN: dict[str, NameStatus] = {
     "FailureConfig": _provided("lockstep.FailureConfig", "fail_fast=True is accepted with max_failures=0; adds report_timeout_s"),
     "LoggingConfig": _provided("lockstep.LoggingConfig", "sets the level of the 'lockstep' logger in the driver"),
     "Result": _provided("lockstep.Result", "metrics is the last report, also without a checkpoint"),
-    "RunConfig": _provided("lockstep.RunConfig", "local_dir= works as storage_path=; stop=, sync_config=, "
-                           "progress_reporter=, worker_runtime_env= raise saying what to use"),
+    "RunConfig": _provided("lockstep.RunConfig", "local_dir= works as storage_path=; stop= as Ray Tune's (metric >= "
+                           "threshold, or a function); sync_config=, progress_reporter=, worker_runtime_env= raise "
+                           "saying what to use"),
     "ScalingConfig": _provided("lockstep.ScalingConfig", "num_workers=0 is local mode; label_selector=, use_tpu=True, "
                                "topology= raise (no node labels, no TPUs)"),
     "TrainContext": _provided("lockstep.TrainContext"),
