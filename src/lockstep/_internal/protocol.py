@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.step_timing import StepTimes
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
 
-ENV_DRIVER_ADDRESS = "LOCKSTEP_DRIVER_ADDRESS"
 ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
 ENV_DRIVER_PID = "LOCKSTEP_DRIVER_PID"
 #: How long a connecting peer has to prove it knows the secret and say hello.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from lockstep._internal import network
 
+ENV_DRIVER_ADDRESS = "LOCKSTEP_DRIVER_ADDRESS"
 ENV_GPU_IDS = "LOCKSTEP_GPU_IDS"
 ENV_STORE_PREFIX = "LOCKSTEP_STORE_PREFIX"
 ENV_NODE_ADDR = "LOCKSTEP_NODE_ADDR"
@@ -134,3 +135,9 @@ class RankEnv:
 def threads_for(cpus_per_worker: float) -> int:
     """The thread count for a worker of ``cpus_per_worker`` CPUs (at least one)."""
     return max(1, int(cpus_per_worker))
+
+
+def launched_by_launcher() -> bool:
+    """Whether torchrun (or alike) started this process: it set every launcher variable, and
+    this is not one of lockstep's own workers (which have them too)."""
+    return ENV_DRIVER_ADDRESS not in os.environ and all(name in os.environ for name in LAUNCHER_VARIABLES)

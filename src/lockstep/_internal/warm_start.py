@@ -55,7 +55,7 @@ def enabled() -> bool:
 
 def why_not_here() -> str | None:
     """Why this process must not start a warm process, or None when it may."""
-    from lockstep._internal.executors import launched_by_launcher
+    from lockstep._internal.rank_env import launched_by_launcher
     from lockstep._internal.protocol import ENV_DRIVER_ADDRESS
 
     if not enabled():
@@ -92,14 +92,14 @@ class WarmProcess:
     """The driver's handle on its warm process: requests go over a socket pair."""
 
     def __init__(self) -> None:
-        from lockstep._internal.executors.local import user_python_path
+        from lockstep._internal.python_path import worker_pythonpath
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env.update(
             {ENV_WARM_START: "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
              "MKL_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
-            PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            PYTHONPATH=worker_pythonpath(env),
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lockstep._internal.zygote", str(theirs.fileno()), str(os.getpid())],

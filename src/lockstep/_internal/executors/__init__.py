@@ -13,13 +13,11 @@ the one place that picks one for a ``fit()``:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec
-from lockstep._internal.protocol import ENV_DRIVER_ADDRESS
-from lockstep._internal.rank_env import LAUNCHER_VARIABLES
+from lockstep._internal.rank_env import launched_by_launcher
 from lockstep.config import ScalingConfig
 
 logger = logging.getLogger(__name__)
@@ -74,12 +72,6 @@ def _local_mode_executor(scaling: ScalingConfig, ray_datasets: Mapping[str, Any]
     from lockstep._internal.executors.inline import InlineExecutor
 
     return InlineExecutor(scaling, ray_datasets)
-
-
-def launched_by_launcher() -> bool:
-    """Whether torchrun (or alike) started this process: it set every launcher variable, and
-    this is not one of lockstep's own workers (which have them too)."""
-    return ENV_DRIVER_ADDRESS not in os.environ and all(name in os.environ for name in LAUNCHER_VARIABLES)
 
 
 def _wants_ray(scaling: ScalingConfig, ray_datasets: Mapping[str, Any]) -> bool:

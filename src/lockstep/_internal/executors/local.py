@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import warm_start
+from lockstep._internal.python_path import worker_pythonpath
 from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
@@ -52,14 +53,6 @@ def host_rendezvous_store(host: str) -> Any:
     from torch.distributed import TCPStore
 
     return TCPStore(host, 0, is_master=True, wait_for_workers=False)
-
-
-def user_python_path() -> list[str]:
-    """The driver's import path entries that a fresh interpreter would not have (the script's
-    folder, entries added by the user), so workers can import the same modules."""
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
-    entries = [os.path.abspath(entry or os.getcwd()) for entry in sys.path]
-    return [entry for entry in dict.fromkeys(entries) if not any(entry.startswith(prefix) for prefix in prefixes)]
 
 
 def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
@@ -149,7 +142,7 @@ class LocalWorkerGroup(ChannelGroup):
         env = dict(os.environ)
         env.update(
             rank_env.variables(),
-            PYTHONPATH=os.pathsep.join(user_python_path() + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            PYTHONPATH=worker_pythonpath(env),
             **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FILE: self._stack_file(rank)},
             **self._channels.worker_env(),
         )

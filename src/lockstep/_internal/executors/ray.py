@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
-from lockstep._internal.executors.local import user_python_path
+from lockstep._internal.python_path import user_python_path
 from lockstep._internal.executors.ray_placement import check_request, cluster_capacity, reserve, worker_bundle
 from lockstep._internal.payload import TrainJob, serialize_payload
 from lockstep._internal.rank_env import RankEnv, threads_for
