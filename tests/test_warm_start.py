@@ -83,7 +83,16 @@ FIT_PPIDS = """
 """
 
 
+@pytest.fixture
+def fresh_warm_process() -> None:
+    """This test process's own warm process, started afresh: earlier tests in the session may
+    have used, refused or killed the one its import of lockstep.torch started."""
+    warm_start.shutdown()
+    warm_start.start_in_background()
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("fresh_warm_process")
 def test_fits_fork_their_workers_from_one_warm_process(storage_path: str, tmp_path: Path) -> None:
     warm = warm_start.warm_process_pid()
     assert warm is not None, "importing lockstep.torch started no warm process"
@@ -99,6 +108,7 @@ def test_fits_fork_their_workers_from_one_warm_process(storage_path: str, tmp_pa
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("fresh_warm_process")
 def test_workers_see_the_environment_path_and_modules_of_fit_time(
     storage_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,6 +224,7 @@ def test_nothing_warm_under_torchrun_in_the_cli_or_a_multiprocessing_child(tmp_p
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("fresh_warm_process")
 def test_installed_packages_the_job_names_are_imported_once_in_the_warm_process(storage_path: str) -> None:
     import torchvision
 
