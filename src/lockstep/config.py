@@ -11,18 +11,17 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lockstep._internal import config_checks
+from lockstep._internal.ray_only_configs import LoggingConfig, SyncConfig
 from lockstep._internal.worker_output import CONSOLE_MODES, ConsoleMode
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-EXECUTORS = ("auto", "local", "ray")
+PLACEMENT_STRATEGIES = config_checks.PLACEMENT_STRATEGIES
+EXECUTORS = config_checks.EXECUTORS
 DEFAULT_STORAGE_PATH = "~/lockstep_results"
 
 
@@ -83,30 +82,8 @@ class ScalingConfig:
             raise ValueError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}.")
         config_checks.check_resources("resources_per_worker", self.resources_per_worker)
         config_checks.check_resources("trainer_resources", self.trainer_resources)
-        if self.resources_per_worker and not self.use_gpu and self.resources_per_worker.get("GPU", 0) > 0:
-            raise ValueError(
-                "ScalingConfig.resources_per_worker asks for GPUs but use_gpu=False: "
-                "set use_gpu=True, or remove 'GPU' from resources_per_worker."
-            )
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"ScalingConfig.placement_strategy={self.placement_strategy!r} is unknown; "
-                f"choose one of {', '.join(PLACEMENT_STRATEGIES)}."
-            )
-        self._check_executor_fields()
-
-    def _check_executor_fields(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"ScalingConfig.executor={self.executor!r} is unknown; choose one of {', '.join(EXECUTORS)}.")
-        if self.ray_address is not None and not (isinstance(self.ray_address, str) and self.ray_address):
-            raise ValueError(f"ScalingConfig.ray_address must be a non-empty string like 'auto' or 'host:6379', got {self.ray_address!r}.")
-        if self.ray_address is not None and self.executor == "local":
-            raise ValueError("ScalingConfig: ray_address is set but executor='local'; drop one of them.")
-        if self.accelerator_type is not None and not (isinstance(self.accelerator_type, str) and self.accelerator_type):
-            raise ValueError(f"ScalingConfig.accelerator_type must be a name like 'A100', got {self.accelerator_type!r}.")
-        timeout = self.placement_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"ScalingConfig.placement_timeout_s must be a number of seconds > 0, got {timeout!r}.")
+        config_checks.check_placement(self)
+        config_checks.check_executor_fields(self)
 
     @property
     def wants_ray(self) -> bool:
@@ -249,47 +226,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """The level of lockstep's own log messages (Ray Train's ``LoggingConfig``).
-
-    Given to ``RunConfig(logging_config=...)``, it sets the level of the ``lockstep`` logger in
-    this process when the RunConfig is made. Where the messages go is up to your logging set-up
-    (e.g. ``logging.basicConfig()``); workers' log lines follow their own process's set-up.
-
-    Args:
-        log_level: A :mod:`logging` level name such as ``"DEBUG"`` or ``"INFO"`` (any case).
-    """
-
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.log_level, str) or not isinstance(logging.getLevelName(self.log_level.upper()), int):
-            raise ValueError(
-                f"LoggingConfig.log_level={self.log_level!r} is unknown; choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL."
-            )
-        self.log_level = self.log_level.upper()
-
-    def apply(self) -> None:
-        """Set the level of the ``lockstep`` logger in this process."""
-        logging.getLogger("lockstep").setLevel(self.log_level)
-
-
-class SyncConfig:
-    """Ray Train's syncing settings. lockstep has no sync step (ranks write checkpoints straight
-    to ``RunConfig.storage_path``), so making one raises a ValueError that says so; the name is
-    here so that scripts importing it load."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError(
-            "SyncConfig: lockstep has no sync step, ranks write checkpoints straight to RunConfig.storage_path "
-            "(a local or shared folder, or a URI such as s3://bucket/prefix). Drop SyncConfig and sync_config=."
-        )
-
-
-_RUN_NAME_FORBIDDEN = re.compile(r"[/\\]|^\.\.?$|\.\.")
-
-
-@dataclass
 class RunConfig:
     """Where a run's results go and how it behaves.
 
@@ -349,12 +285,7 @@ class RunConfig:
             if not isinstance(self.logging_config, LoggingConfig):
                 raise ValueError(f"RunConfig.logging_config must be a LoggingConfig, got {self.logging_config!r}.")
             self.logging_config.apply()
-        if self.name is not None:
-            if not isinstance(self.name, str) or not self.name or _RUN_NAME_FORBIDDEN.search(self.name):
-                raise ValueError(
-                    f"RunConfig.name={self.name!r} must be a plain folder name: non-empty, with no '/', "
-                    "'\\' or '..'. Put the parent folders in storage_path instead."
-                )
+        config_checks.check_run_name(self.name)
         if self.storage_path is not None:
             self.storage_path = os.fspath(self.storage_path)
         if self.failure_config is None:

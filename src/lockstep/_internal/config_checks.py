@@ -8,9 +8,14 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+EXECUTORS = ("auto", "local", "ray")
+_RUN_NAME_FORBIDDEN = re.compile(r"[/\\]|^\.\.?$|\.\.")
 
 
 def check_num_workers(num_workers: Any) -> None:
@@ -161,3 +166,43 @@ def check_stop(stop: Any) -> None:
                 f"RunConfig(stop=...): {key!r}: {threshold!r} must be a metric name and a number; for other "
                 "conditions (e.g. a loss going below a value) pass a function (report_index, metrics) -> bool."
             )
+
+
+def check_placement(scaling: Any) -> None:
+    """``ScalingConfig``: GPUs asked for only with ``use_gpu``; a known placement strategy."""
+    if scaling.resources_per_worker and not scaling.use_gpu and scaling.resources_per_worker.get("GPU", 0) > 0:
+        raise ValueError(
+            "ScalingConfig.resources_per_worker asks for GPUs but use_gpu=False: "
+            "set use_gpu=True, or remove 'GPU' from resources_per_worker."
+        )
+    if scaling.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(
+            f"ScalingConfig.placement_strategy={scaling.placement_strategy!r} is unknown; "
+            f"choose one of {', '.join(PLACEMENT_STRATEGIES)}."
+        )
+
+
+def check_executor_fields(scaling: Any) -> None:
+    """``ScalingConfig``: the executor, Ray address, accelerator type and placement timeout."""
+    if scaling.executor not in EXECUTORS:
+        raise ValueError(f"ScalingConfig.executor={scaling.executor!r} is unknown; choose one of {', '.join(EXECUTORS)}.")
+    if scaling.ray_address is not None and not (isinstance(scaling.ray_address, str) and scaling.ray_address):
+        raise ValueError(
+            f"ScalingConfig.ray_address must be a non-empty string like 'auto' or 'host:6379', got {scaling.ray_address!r}."
+        )
+    if scaling.ray_address is not None and scaling.executor == "local":
+        raise ValueError("ScalingConfig: ray_address is set but executor='local'; drop one of them.")
+    if scaling.accelerator_type is not None and not (isinstance(scaling.accelerator_type, str) and scaling.accelerator_type):
+        raise ValueError(f"ScalingConfig.accelerator_type must be a name like 'A100', got {scaling.accelerator_type!r}.")
+    timeout = scaling.placement_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"ScalingConfig.placement_timeout_s must be a number of seconds > 0, got {timeout!r}.")
+
+
+def check_run_name(name: Any) -> None:
+    """``RunConfig.name``: None, or a plain folder name."""
+    if name is not None and (not isinstance(name, str) or not name or _RUN_NAME_FORBIDDEN.search(name)):
+        raise ValueError(
+            f"RunConfig.name={name!r} must be a plain folder name: non-empty, with no '/', "
+            "'\\' or '..'. Put the parent folders in storage_path instead."
+        )
