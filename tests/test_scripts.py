@@ -170,7 +170,19 @@ def test_on_a_terminal_log_lines_never_land_on_the_progress_line(tmp_path: Path)
     assert "report #" not in text, "on a terminal the progress line is the account of each report"
     assert "\rlockstep progress | report 2 | " in text
     for line in text.split("\n"):
-        assert "LOG " not in line or line.lstrip("\r\x1b[K").startswith("LOG "), f"a log record shares a line: {line!r}"
+        shown = as_shown(line)
+        assert "LOG " not in shown or shown.startswith("LOG "), f"a log record shares a line: {line!r} shows {shown!r}"
+
+
+def as_shown(line: str) -> str:
+    """What a terminal shows for one line of output: a carriage return goes back to the start of
+    the line and overwrites it; ESC[K clears the rest of it."""
+    screen = ""
+    for segment in line.split("\r"):
+        cleared = segment.startswith("\x1b[K")
+        segment = segment.replace("\x1b[K", "")
+        screen = segment if cleared else segment + screen[len(segment):]
+    return screen
 
 
 def _run_on_a_terminal(args: list[str]) -> str:
