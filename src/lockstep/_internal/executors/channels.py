@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lockstep._internal import protocol
-from lockstep._internal.executors.base import WorkerGroup
+from lockstep._internal.executors.base import WorkerExited, WorkerGroup
 from lockstep._internal.worker_output import ConsoleMode, OutputRelay
 
 logger = logging.getLogger(__name__)
@@ -150,3 +150,41 @@ class ChannelGroup(WorkerGroup):
         self._channels.close()
         if self._output is not None:
             self._output.close()
+
+
+class AttachedGroup(ChannelGroup):
+    """Ranks that something else started (torchrun's processes, or this very process in local
+    mode), as the controller sees them: it starts and stops nothing; a rank whose channel
+    closes has ended (``exit_cause`` says so). Rank 0's return value is handed over in this
+    process, never read from the network."""
+
+    def __init__(self, host: str, exit_cause: str) -> None:
+        super().__init__(host)
+        self.exit_cause = exit_cause
+        self._seen: set[int] = set()
+        self._ended: set[int] = set()
+        self._return_value: Any = None
+
+    def start(self) -> None:
+        """Nothing to start: the ranks are already running."""
+
+    def wait_events(self, timeout: float | None) -> list[Any]:
+        """What the ranks sent; a WorkerExited for each rank whose channel has closed."""
+        events, _ = self._wait([], timeout)
+        self._seen |= {event.rank for event in events if isinstance(event, protocol.Hello)}
+        for rank in sorted(self._seen - self._ended - self._channels.connected_ranks()):
+            self._ended.add(rank)
+            events.append(WorkerExited(rank, 0, self.exit_cause))
+        return events
+
+    def keep_return_value(self, value: Any) -> None:
+        """Rank 0's train function returned ``value`` (called in this process)."""
+        self._return_value = value
+
+    def return_value(self, finished: protocol.Finished) -> Any:
+        """Rank 0's return value as this process kept it."""
+        return self._return_value
+
+    def stop(self) -> None:
+        """Close the channels: ranks waiting in ``report()`` then fail."""
+        self._close_channels()

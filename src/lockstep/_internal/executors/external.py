@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from lockstep._internal import network, protocol
-from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
-from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.executors.base import Executor, GroupFactory
+from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.preemption import PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.run_names import default_run_name
@@ -142,7 +142,7 @@ class ExternalExecutor(Executor):
 
     def _drive_and_run_rank_0(self, job: TrainJob, driver: RunDriver) -> Result:
         size = self.launch_info.world_size
-        group = ExternalGroup(size)
+        group = AttachedGroup("0.0.0.0", "its process closed its channel to rank 0 (it exited or crashed)")
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, size, size), restarts=False)
         except BaseException as error:
@@ -202,43 +202,6 @@ def check_world_size(launch: Launch, scaling: ScalingConfig) -> None:
         )
 
 
-class ExternalGroup(ChannelGroup):
-    """The ranks the launcher started, as rank 0's controller sees them: it starts and stops
-    nothing; a rank whose channel closes has ended. Rank 0's return value is handed over in
-    this process, never read from the network."""
-
-    def __init__(self, world_size: int) -> None:
-        super().__init__("0.0.0.0")
-        self.world_size = world_size
-        self._seen: set[int] = set()
-        self._ended: set[int] = set()
-        self._return_value: Any = None
-
-    def start(self) -> None:
-        """Nothing to start: the ranks are already running."""
-
-    def wait_events(self, timeout: float | None) -> list[Any]:
-        """What the ranks sent; a WorkerExited for each rank whose channel has closed."""
-        events, _ = self._wait([], timeout)
-        self._seen |= {event.rank for event in events if isinstance(event, protocol.Hello)}
-        for rank in sorted(self._seen - self._ended - self._channels.connected_ranks()):
-            self._ended.add(rank)
-            events.append(WorkerExited(rank, 0, "its process closed its channel to rank 0 (it exited or crashed)"))
-        return events
-
-    def keep_return_value(self, value: Any) -> None:
-        """Rank 0's train function returned ``value`` (called in this process)."""
-        self._return_value = value
-
-    def return_value(self, finished: protocol.Finished) -> Any:
-        """Rank 0's return value as this process kept it."""
-        return self._return_value
-
-    def stop(self) -> None:
-        """Close the channels: ranks waiting in report() then fail."""
-        self._close_channels()
-
-
 class ControllerThread(threading.Thread):
     """Drives the run on rank 0, beside its train function."""
 
@@ -291,7 +254,7 @@ def publish_host(launch: Launch) -> str:
     return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.rank_env.node_addr or launch.rank_env.master_addr
 
 
-def publish_channel(launch: Launch, store: Any, group: ExternalGroup | None = None, error: str | None = None) -> None:
+def publish_channel(launch: Launch, store: Any, group: AttachedGroup | None = None, error: str | None = None) -> None:
     """Rank 0 tells the other ranks where its channel is, or why there is none."""
     if group is not None:
         listener = group.listener

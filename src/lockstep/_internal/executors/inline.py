@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import protocol
-from lockstep._internal.executors.base import Executor, GroupFactory, WorkerExited
-from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.executors.base import Executor, GroupFactory
+from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.external import ControllerThread
 from lockstep._internal.preemption import PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
@@ -76,7 +76,7 @@ class InlineExecutor(Executor):
             logger.info("Local mode (num_workers=0) does not restart a failed train function: "
                         "FailureConfig.max_failures is not used.")
         driver.scaling = dataclasses.replace(driver.scaling, num_workers=1)
-        group = InlineGroup()
+        group = AttachedGroup(LOOPBACK, "the train function's channel closed before it finished")
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, 1, 1), restarts=False)
         except BaseException:
@@ -92,7 +92,7 @@ class InlineExecutor(Executor):
             raise thread.error
         return thread.result
 
-    def _run_rank(self, job: TrainJob, group: InlineGroup) -> BaseException | None:
+    def _run_rank(self, job: TrainJob, group: AttachedGroup) -> BaseException | None:
         """Run the train function on this thread as rank 0, connected to ``group``'s channel.
         Return the KeyboardInterrupt (or alike) that stopped it, to raise once the run is recorded."""
         from lockstep._internal.worker import describe_failure, run_rank
@@ -163,39 +163,3 @@ def _send_last(channel: protocol.WorkerChannel, outcome: Any) -> None:
         pass  # the controller already stopped (its own failure is raised instead)
     finally:
         channel.close()
-
-
-class InlineGroup(ChannelGroup):
-    """The one rank that runs in this process, as the controller sees it: nothing to start or
-    kill; the rank has ended when its channel closes. Its return value is handed over here."""
-
-    def __init__(self) -> None:
-        super().__init__(LOOPBACK)
-        self._connected = False
-        self._ended = False
-        self._return_value: Any = None
-
-    def start(self) -> None:
-        """Nothing to start: the rank runs on this process's main thread."""
-
-    def wait_events(self, timeout: float | None) -> list[Any]:
-        """What the rank sent; a WorkerExited once its channel has closed."""
-        events, _ = self._wait([], timeout)
-        self._connected = self._connected or any(isinstance(event, protocol.Hello) for event in events)
-        if self._connected and not self._ended and not self._channels.connected_ranks():
-            self._ended = True
-            events.append(WorkerExited(0, 0, "the train function's channel closed before it finished"))
-        return events
-
-    def keep_return_value(self, value: Any) -> None:
-        """The train function returned ``value``."""
-        self._return_value = value
-
-    def return_value(self, finished: protocol.Finished) -> Any:
-        """The train function's return value, as this process kept it."""
-        return self._return_value
-
-    def stop(self) -> None:
-        """Close the channel: a train function waiting in ``report()`` then fails."""
-        self._close_channels()
-
