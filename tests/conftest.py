@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -72,6 +73,19 @@ def no_process_left_behind() -> None:
     while (left := tagged_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes left behind: {left}"
+
+
+@contextlib.contextmanager
+def untagged() -> Iterator[None]:
+    """Start processes (a Ray cluster serving a whole module, say) without this session's test
+    tag, so the leaked-process check doesn't count them against the test that started them;
+    whoever starts them must stop them."""
+    tag = os.environ.pop("LOCKSTEP_TEST_TAG", None)
+    try:
+        yield
+    finally:
+        if tag is not None:
+            os.environ["LOCKSTEP_TEST_TAG"] = tag
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ unit tests of its placement and rank logic, which need no cluster."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -27,7 +26,7 @@ from lockstep._internal.ray_actor import WorkerPlace
 from lockstep.torch import TorchTrainer
 from test_launch import rogue_train_func
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, untagged
 
 ray = pytest.importorskip("ray")
 
@@ -61,17 +60,6 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         test_cluster.shutdown()
-
-
-@contextlib.contextmanager
-def untagged() -> Iterator[None]:
-    """Start Ray processes without the test tag that the leaked-process check looks for."""
-    tag = os.environ.pop("LOCKSTEP_TEST_TAG", None)
-    try:
-        yield
-    finally:
-        if tag is not None:
-            os.environ["LOCKSTEP_TEST_TAG"] = tag
 
 
 def add_test_node(cluster: Any, label: str) -> None:

@@ -5,7 +5,6 @@ dataset, as in such a script), and both kinds of shard take Ray Data's ``iter_ba
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -14,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import untagged
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
@@ -143,17 +143,6 @@ def test_torch_shard_in_a_run_takes_ray_arguments(storage_path: str) -> None:
 
 
 # -- Ray Datasets, without ray.init() -----------------------------------------------------------
-
-
-@contextlib.contextmanager
-def untagged() -> Iterator[None]:
-    """Start Ray's processes without the test tag (they serve the whole module, not one test)."""
-    tag = os.environ.pop("LOCKSTEP_TEST_TAG", None)
-    try:
-        yield
-    finally:
-        if tag is not None:
-            os.environ["LOCKSTEP_TEST_TAG"] = tag
 
 
 @pytest.fixture(scope="module")
