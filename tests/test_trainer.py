@@ -457,7 +457,7 @@ def test_worker_output_goes_to_log_files_and_the_console(storage_path: str, mode
     if mode == "rank0":
         assert "hello from rank 0" in console.out and "hello from rank 1" not in console.out
     else:
-        assert "(rank 1) hello from rank 1" in console.out and "(rank 0) warning from rank 0" in console.err
+        assert "[rank 1] hello from rank 1" in console.out and "[rank 0] warning from rank 0" in console.err
 
 
 def stuck_in_a_collective_while_rank_zero_computes() -> None:

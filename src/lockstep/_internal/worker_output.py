@@ -2,8 +2,8 @@
 and the chosen ranks' output to the driver's console as well.
 
 With ``console="all"`` the console shows each line once however many ranks print it: a line
-every rank prints at the same point reads ``(ranks 0-3) text``, a line of one rank
-``(rank 2) text``. To find its twins, a complete line waits until every known rank printed it,
+every rank prints at the same point reads ``[ranks 0-3] text``, a line of one rank
+``[rank 2] text``. To find its twins, a complete line waits until every known rank printed it,
 or at most :data:`MERGE_WAIT_S` (one small timer thread keeps that bound when no more output
 comes); a rank's lines always keep their order, and the log files get every byte at once.
 Output that doesn't end a line is held the same short while, except text with a ``\r`` (a
@@ -295,10 +295,10 @@ class MergingConsole:
 
 
 def rank_tag(ranks: set[int]) -> bytes:
-    """``(rank 2) `` or ``(ranks 0-3,5) ``: the console prefix of a line ``ranks`` printed."""
+    """``[rank 2] `` or ``[ranks 0-3,5] ``: the console prefix of a line ``ranks`` printed."""
     ordered = sorted(ranks)
     if len(ordered) == 1:
-        return f"(rank {ordered[0]}) ".encode()
+        return f"[rank {ordered[0]}] ".encode()
     spans: list[list[int]] = []
     for rank in ordered:
         if spans and spans[-1][1] == rank - 1:
@@ -306,4 +306,4 @@ def rank_tag(ranks: set[int]) -> bytes:
         else:
             spans.append([rank, rank])
     text = ",".join(f"{first}-{last}" if last > first else f"{first}" for first, last in spans)
-    return f"(ranks {text}) ".encode()
+    return f"[ranks {text}] ".encode()
