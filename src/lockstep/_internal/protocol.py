@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from lockstep._internal.link_watch import watch_link
 from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.step_timing import StepTimes
 from lockstep._internal.storage import CheckpointEntry
@@ -294,6 +295,7 @@ class DriverListener:
         """
         client, _ = self._socket.accept()
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        watch_link(client)
         _set_receive_timeout(client, HANDSHAKE_TIMEOUT_S)
         connection = Connection(client.detach())
         try:
@@ -337,6 +339,10 @@ class WorkerChannel:
         """Wait for the driver's next message."""
         return decode(self._connection.recv_bytes())
 
+    def fileno(self) -> int:
+        """The channel's socket."""
+        return self._connection.fileno()
+
     def close(self) -> None:
         """Close the channel: the driver reads everything sent before, then the end of stream."""
         with self._send_lock:
@@ -349,6 +355,7 @@ def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Wo
     authkey = bytes.fromhex(env[ENV_AUTHKEY])
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    watch_link(sock)
     connection = Connection(sock.detach())
     answer_challenge(connection, authkey)
     deliver_challenge(connection, authkey)

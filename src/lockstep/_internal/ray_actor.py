@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep._internal import protocol
+from lockstep._internal.link_watch import DriverWatch
 from lockstep._internal.payload import deserialize_payload
 from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.worker import run_to_outcome
@@ -70,7 +71,8 @@ class RayWorker:
         rank_env = RankEnv.from_environ(env)
         channel = protocol.connect_to_driver(env)
         channel.send(protocol.Hello(rank_env.world_rank, os.getpid()))
-        with ForwardedOutput(channel, rank_env.world_rank):
+        watch = DriverWatch(channel.fileno(), rank_env.world_rank, env[protocol.ENV_DRIVER_ADDRESS])
+        with ForwardedOutput(channel, rank_env.world_rank), watch:
             outcome, exit_code = run_to_outcome(rank_env, channel, lambda: deserialize_payload(payload), datasets)
         try:
             channel.send(outcome)

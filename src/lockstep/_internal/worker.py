@@ -65,12 +65,14 @@ def main(forked_by: int | None = None) -> None:
     die_with_parent(forked_by)
     answer_stack_requests()
     from lockstep._internal import protocol
+    from lockstep._internal.link_watch import DriverWatch
     from lockstep._internal.preemption import rank_signals
 
     rank_env = RankEnv.from_environ()
     channel = protocol.connect_to_driver()
     channel.send(protocol.Hello(rank_env.world_rank, os.getpid()))
-    with rank_signals(channel, rank_env.world_rank):  # SIGTERM: a preemption notice, not the end
+    watch = DriverWatch(channel.fileno(), rank_env.world_rank, os.environ[protocol.ENV_DRIVER_ADDRESS])
+    with rank_signals(channel, rank_env.world_rank), watch:  # SIGTERM: a preemption notice, not the end
         outcome, exit_code = run_to_outcome(rank_env, channel, lambda: _job_from(_read_payload(int(os.environ[ENV_PAYLOAD_FD]))))
     _send_and_exit(channel, outcome, exit_code)
 

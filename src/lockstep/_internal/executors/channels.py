@@ -5,6 +5,8 @@ group that only talks over them (:class:`ChannelGroup`)."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, wait
@@ -12,6 +14,7 @@ from typing import Any
 
 from lockstep._internal import protocol
 from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.link_watch import LOST_EXIT_CODE, lost_link_cause
 from lockstep._internal.worker_output import ConsoleMode, OutputRelay
 
 logger = logging.getLogger(__name__)
@@ -23,6 +26,8 @@ class WorkerConnections:
     def __init__(self, host: str) -> None:
         self.listener = protocol.DriverListener(host)
         self._by_rank: dict[int, Connection] = {}
+        self._peers: dict[int, str] = {}
+        self._lost: dict[int, str] = {}
 
     def worker_env(self) -> dict[str, str]:
         """The environment variables a worker needs to connect back."""
@@ -51,6 +56,7 @@ class WorkerConnections:
             logger.warning("refused a connection that is not one of this run's workers: %s", error or type(error).__name__)
             return []
         self._by_rank[hello.rank] = connection
+        self._peers[hello.rank] = _peer_host(connection)
         return [hello]
 
     def _drain(self, connection: Connection) -> list[Any]:
@@ -59,8 +65,8 @@ class WorkerConnections:
         try:
             while connection.poll():
                 messages.append(protocol.decode(connection.recv_bytes()))
-        except (EOFError, OSError, ValueError):
-            self._forget(connection)
+        except (EOFError, OSError, ValueError) as error:
+            self._forget(connection, error)
         return messages
 
     def drain_rank(self, rank: int, until_closed_s: float = 0.0) -> list[Any]:
@@ -76,11 +82,21 @@ class WorkerConnections:
             messages += self._drain(connection)
         return messages
 
-    def _forget(self, connection: Connection) -> None:
+    def _forget(self, connection: Connection, error: BaseException | None = None) -> None:
         for rank, known in list(self._by_rank.items()):
             if known is connection:
                 del self._by_rank[rank]
+                cause = lost_link_cause(error, self._peers.get(rank, "?")) if error is not None else None
+                if cause is not None:
+                    logger.warning("rank %d's channel is %s", rank, cause)
+                    self._lost[rank] = cause
         connection.close()
+
+    def take_lost(self) -> dict[int, str]:
+        """The ranks whose host stopped answering since the last call, each with what to say
+        of it (see :mod:`lockstep._internal.link_watch`)."""
+        lost, self._lost = self._lost, {}
+        return lost
 
     def send(self, rank: int, message: Any) -> None:
         """Send a message to a rank (ignored if that rank is already gone)."""
@@ -89,8 +105,8 @@ class WorkerConnections:
             return
         try:
             connection.send_bytes(protocol.encode(message))
-        except OSError:
-            self._forget(connection)
+        except OSError as error:
+            self._forget(connection, error)
 
     def close(self) -> None:
         """Close every connection and the listener."""
@@ -118,7 +134,8 @@ class ChannelGroup(WorkerGroup):
                 events += self._channels.read(ready)
             else:
                 ready_others.append(ready)
-        return self._relayed(events), ready_others
+        lost = [WorkerExited(rank, LOST_EXIT_CODE, cause) for rank, cause in self._channels.take_lost().items()]
+        return [*self._relayed(events), *lost], ready_others
 
     def _relayed(self, events: list[Any]) -> list[Any]:
         """Hand the ranks' Output messages to the relay; return the other events. (A Hello
@@ -172,6 +189,7 @@ class AttachedGroup(ChannelGroup):
         """What the ranks sent; a WorkerExited for each rank whose channel has closed."""
         events, _ = self._wait([], timeout)
         self._seen |= {event.rank for event in events if isinstance(event, protocol.Hello)}
+        self._ended |= {event.rank for event in events if isinstance(event, WorkerExited)}
         for rank in sorted(self._seen - self._ended - self._channels.connected_ranks()):
             self._ended.add(rank)
             events.append(WorkerExited(rank, 0, self.exit_cause))
@@ -188,3 +206,12 @@ class AttachedGroup(ChannelGroup):
     def stop(self) -> None:
         """Close the channels: ranks waiting in ``report()`` then fail."""
         self._close_channels()
+
+
+def _peer_host(connection: Connection) -> str:
+    """The address of the host at the other end of ``connection``."""
+    try:
+        with socket.socket(fileno=os.dup(connection.fileno())) as view:
+            return str(view.getpeername()[0])
+    except OSError:
+        return "?"

@@ -24,12 +24,14 @@ import json
 import logging
 import os
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from lockstep._internal import network, protocol
 from lockstep._internal.executors.base import Executor, GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
+from lockstep._internal.link_watch import LOST_EXIT_CODE, STUCK_GRACE_S, DriverWatch
 from lockstep._internal.preemption import PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.run_names import default_run_name
@@ -150,9 +152,12 @@ class ExternalExecutor(Executor):
             publish_channel(self.launch_info, self.store, error=f"{type(error).__name__}: {error}")
             raise
         publish_channel(self.launch_info, self.store, group=group)
-        thread = ControllerThread(lambda: driver.drive(controller))
+        thread = ControllerThread(lambda: driver.drive(controller), lambda error: announce_end(self.launch_info, self.store, error))
         thread.start()
-        self._run_rank(job, group.keep_return_value)
+        try:
+            self._run_rank(job, group.keep_return_value)
+        finally:
+            thread.rank_done.set()
         thread.join()
         announce_end(self.launch_info, self.store, thread.error)
         if thread.error is not None:
@@ -171,7 +176,8 @@ class ExternalExecutor(Executor):
         os.environ.update(rank_env.variables())
         channel = protocol.connect_to_driver(channel_env)
         channel.send(protocol.Hello(launch.rank, os.getpid()))
-        with rank_signals(channel, launch.rank) as signals:  # torchrun forwards its SIGTERM to every rank
+        watch = nullcontext() if launch.rank == 0 else DriverWatch(channel.fileno(), launch.rank, channel_env[protocol.ENV_DRIVER_ADDRESS])
+        with rank_signals(channel, launch.rank) as signals, watch:  # torchrun forwards its SIGTERM to every rank
             outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
         try:
             channel.send(outcome)
@@ -203,11 +209,20 @@ def check_world_size(launch: Launch, scaling: ScalingConfig) -> None:
 
 
 class ControllerThread(threading.Thread):
-    """Drives the run on rank 0, beside its train function."""
+    """Drives the run on rank 0, beside its train function. When the run has ended and rank 0's
+    train function does not end within ``STUCK_GRACE_S`` (it waits in a collective for a rank
+    on a lost host: nothing can interrupt it), the thread reports the run's end with ``announce``
+    and ends the process, saying why.
 
-    def __init__(self, drive: Callable[[], Result]) -> None:
+    Attributes:
+        rank_done: Set by the main thread once rank 0's train function has ended.
+    """
+
+    def __init__(self, drive: Callable[[], Result], announce: Callable[[BaseException | None], None]) -> None:
         super().__init__(daemon=True, name="lockstep-controller")
         self.drive = drive
+        self.announce = announce
+        self.rank_done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -216,6 +231,20 @@ class ControllerThread(threading.Thread):
             self.result = self.drive()
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
             self.error = error
+        if not self.rank_done.wait(STUCK_GRACE_S):
+            self._end_stuck_rank()
+
+    def _end_stuck_rank(self) -> None:
+        logger.error("The run has ended (%s), but rank 0's train function has not returned %g s later (it is most "
+                     "likely waiting in a collective for a rank that is gone). This process exits now (code %d).",
+                     "succeeded" if self.error is None else f"{type(self.error).__name__}: {self.error}",
+                     STUCK_GRACE_S, LOST_EXIT_CODE)
+        try:
+            self.announce(self.error)
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(LOST_EXIT_CODE)
 
 
 # -- what crosses the store -----------------------------------------------------------------------
