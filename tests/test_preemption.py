@@ -17,18 +17,20 @@ from conftest import REPO_ROOT, tagged_processes
 from test_scripts import SCRIPTS, free_port
 
 JOB = str(SCRIPTS / "preemptible_job.py")
+HANGUP_JOB = str(SCRIPTS / "hangup_job.py")
 
 
 class Job:
-    """One run of preemptible_job.py in ``tmp_path``: the driver process and its run folder."""
+    """One run of preemptible_job.py (or ``script``, which takes the same first two arguments and
+    names its run the same) in ``tmp_path``: the driver process and its run folder."""
 
-    def __init__(self, tmp_path: Path, *args: str, torchrun: bool = False) -> None:
+    def __init__(self, tmp_path: Path, *args: str, torchrun: bool = False, script: str = JOB) -> None:
         self.run = tmp_path / "results" / "preemptible"
         self.pids = tmp_path / "pids"
         self.pids.mkdir(exist_ok=True)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=static",
                     f"--master_port={free_port()}", "--max-restarts=0"] if torchrun else [sys.executable]
-        self.process = subprocess.Popen([*launcher, JOB, str(tmp_path / "results"), str(self.pids), *args],
+        self.process = subprocess.Popen([*launcher, script, str(tmp_path / "results"), str(self.pids), *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
 
     def reports(self) -> list[dict]:
@@ -221,6 +223,38 @@ def test_sighup_ends_the_run_with_a_final_status(tmp_path: Path) -> None:
     code, results = job.finish()
     assert code != 0 and "SIGHUP" in job.stderr
     assert job.record()["status"] == "interrupted"
+    assert_nothing_left()
+
+
+@pytest.mark.timeout(150)
+def test_sighup_to_torchrun_ends_the_run_interrupted_and_every_ranks_fit_raises(tmp_path: Path) -> None:
+    job = Job(tmp_path, "--num-workers", "2", torchrun=True, script=HANGUP_JOB)
+    job.wait_for_reports(2)
+    job.process.send_signal(signal.SIGHUP)  # torchrun's agent passes it on to both ranks
+    sent_at = time.monotonic()
+    code, results = job.finish(timeout=60)
+    assert time.monotonic() - sent_at < 20, "the ranks should end at once, not when torchrun gives up on them (30 s)"
+    assert code != 0
+    assert sorted(results) == ["0", "1"], job.stdout + job.stderr
+    for rank in ("0", "1"):
+        assert results[rank]["error"] == "HangUp" and "SIGHUP" in results[rank]["message"], results[rank]
+    record = job.record()
+    assert record["status"] == "interrupted" and record["executor"] == "external", record
+    assert "SIGHUP" in record["error"]["message"]
+    assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_sighup_in_local_mode_ends_the_run_interrupted(tmp_path: Path) -> None:
+    job = Job(tmp_path, "--num-workers", "0", script=HANGUP_JOB)
+    job.wait_for_reports(2)
+    job.process.send_signal(signal.SIGHUP)
+    code, results = job.finish()
+    assert code == 1 and results["driver"]["error"] == "HangUp", job.stdout + job.stderr
+    assert "SIGHUP" in results["driver"]["message"]
+    record = job.record()
+    assert record["status"] == "interrupted" and record["executor"] == "local_mode", record
+    assert "SIGHUP" in record["error"]["message"]
     assert_nothing_left()
 
 

@@ -12,6 +12,12 @@ committed and stops the run as ``preempted``:
   by :func:`rank_signals`, which sends a ``PreemptionNotice`` on the rank's channel from a
   thread (the handler can't take the channel's send lock: the interrupted code may hold it).
 
+SIGHUP (the terminal closed; torchrun passes its own on to every rank) ends the run as
+``interrupted``: :func:`driver_signals` raises :class:`HangUp` in the controller; where the
+controller runs on a thread beside a train function (rank 0 under torchrun, local mode),
+:func:`rank_signals` raises it in the train function after telling the controller
+(:meth:`Preemption.hang_up`), which raises it at its next check of :attr:`Preemption.stops_now`.
+
 The controller keeps the notice in a :class:`Preemption`, tells every rank at its next
 ``report()`` and says when the run stops.
 """
@@ -60,6 +66,7 @@ class Preemption:
         self.checkpoint_committed = False
         self.urgent = False
         self.finishing = False
+        self.hung_up: str | None = None
 
     @property
     def noticed(self) -> bool:
@@ -82,10 +89,24 @@ class Preemption:
         """A checkpoint was committed; after a notice, the run stops there."""
         self.checkpoint_committed = self.checkpoint_committed or self.noticed
 
+    def hang_up(self, reason: str) -> None:
+        """The process got SIGHUP while the controller runs on another thread: the controller
+        raises :class:`HangUp` at its next check of :attr:`stops_now` (unless the run is
+        already finishing)."""
+        if not self.finishing:
+            self.hung_up = reason
+
     @property
     def stops_now(self) -> bool:
         """Whether the run must stop: a checkpoint was committed after the notice, a second
-        notice came, or the grace ran out."""
+        notice came, or the grace ran out.
+
+        Raises:
+            HangUp: :meth:`hang_up` was called (the run then ends as interrupted).
+        """
+        if self.hung_up is not None and not self.finishing:
+            self.finishing = True
+            raise HangUp(self.hung_up)
         return self.noticed and (self.checkpoint_committed or self.urgent or self.time_left() == 0.0)
 
     def time_left(self) -> float | None:
@@ -173,17 +194,27 @@ def driver_signals(preemption: Preemption, ranks: Callable[[], list[int]]) -> It
             signal.signal(signum, handler)
 
 
+RANK_HANGUP = "this process got SIGHUP (its terminal closed, or torchrun passed its own SIGHUP on)"
+
+
 class RankSignals:
-    """How many SIGTERMs this rank's process got (each one sent on as a notice)."""
+    """How many SIGTERMs this rank's process got (each one sent on as a notice), and whether
+    it got SIGHUP."""
 
     def __init__(self) -> None:
         self.received = 0
+        self.hung_up = False
 
 
 @contextmanager
-def rank_signals(channel: protocol.WorkerChannel, rank: int) -> Iterator[RankSignals]:
+def rank_signals(
+    channel: protocol.WorkerChannel, rank: int, hang_up: bool = False, controller: Preemption | None = None,
+) -> Iterator[RankSignals]:
     """While a rank runs on this (main) thread: each SIGTERM sends a PreemptionNotice (the
-    second one urgent) and the train function goes on. Off the main thread, nothing is installed."""
+    second one urgent) and the train function goes on. With ``hang_up``, the first SIGHUP
+    raises :class:`HangUp` in the train function (later ones are ignored), after telling
+    ``controller`` (the Preemption of a controller that runs on a thread of this process), so
+    that the run ends as interrupted. Off the main thread, nothing is installed."""
     seen = RankSignals()
     if not on_main_thread():
         yield seen
@@ -191,20 +222,42 @@ def rank_signals(channel: protocol.WorkerChannel, rank: int) -> Iterator[RankSig
 
     owner = os.getpid()
 
+    def in_forked_child(signum: int) -> bool:
+        """A forked child (a DataLoader worker) must not use the channel: it takes the signal's
+        default action instead."""
+        if os.getpid() == owner:
+            return False
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return True
+
     def on_term(signum: int, frame: Any) -> None:
-        if os.getpid() != owner:  # a forked child (a DataLoader worker) must not use the channel
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        if in_forked_child(signum):
             return
         seen.received += 1
         notice = protocol.PreemptionNotice(rank, socket.gethostname(), urgent=seen.received > 1)
         threading.Thread(target=_send_quietly, args=(channel, notice), name="lockstep-notice", daemon=True).start()
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    def on_hangup(signum: int, frame: Any) -> None:
+        if in_forked_child(signum) or seen.hung_up:
+            return
+        seen.hung_up = True
+        if controller is not None:
+            controller.hang_up(RANK_HANGUP)
+        raise HangUp(RANK_HANGUP)
+
+    handlers = {signal.SIGTERM: on_term, **({signal.SIGHUP: on_hangup} if hang_up else {})}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
     try:
         yield seen
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def hung_up(outcome: Any) -> bool:
+    """Whether a rank's outcome is the :class:`HangUp` its SIGHUP raised in the train function."""
+    return isinstance(outcome, protocol.Failed) and outcome.failure.error_type == HangUp.__name__
 
 
 def _send_quietly(channel: protocol.WorkerChannel, message: Any) -> None:

@@ -32,7 +32,7 @@ from lockstep._internal import network, protocol
 from lockstep._internal.executors.base import Executor, GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.link_watch import LOST_EXIT_CODE, STUCK_GRACE_S, DriverWatch
-from lockstep._internal.preemption import PreemptionStop, rank_signals
+from lockstep._internal.preemption import RANK_HANGUP, HangUp, Preemption, PreemptionStop, hung_up, rank_signals
 from lockstep._internal.rank_env import RankEnv
 from lockstep._internal.run_names import default_run_name
 from lockstep._internal.worker import run_to_outcome
@@ -130,6 +130,8 @@ class ExternalExecutor(Executor):
         if self.launch_info.rank == 0:
             return self._drive_and_run_rank_0(job, driver)
         outcome, exit_code, sigterms = self._run_rank(job)
+        if hung_up(outcome):  # torchrun passed its SIGHUP on: rank 0 records the run as interrupted
+            raise HangUp(RANK_HANGUP)
         if exit_code != 0 and not (sigterms or stopped_preempted(outcome)):
             raise WorkerGroupError.from_failures([outcome.failure])
         try:
@@ -155,7 +157,7 @@ class ExternalExecutor(Executor):
         thread = ControllerThread(lambda: driver.drive(controller), lambda error: announce_end(self.launch_info, self.store, error))
         thread.start()
         try:
-            self._run_rank(job, group.keep_return_value)
+            self._run_rank(job, group.keep_return_value, controller.preemption)
         finally:
             thread.rank_done.set()
         thread.join()
@@ -165,10 +167,12 @@ class ExternalExecutor(Executor):
         return thread.result
 
     def _run_rank(
-        self, job: TrainJob, keep_return_value: Callable[[Any], None] | None = None
+        self, job: TrainJob, keep_return_value: Callable[[Any], None] | None = None,
+        preemption: Preemption | None = None,
     ) -> tuple[Any, int, int]:
         """Connect to rank 0's channel and run this rank's own job here; return its outcome, its
-        exit code and how many SIGTERMs (preemption notices) it got meanwhile."""
+        exit code and how many SIGTERMs (preemption notices) it got meanwhile. A SIGHUP raises
+        HangUp in the train function (on rank 0, after telling its controller's ``preemption``)."""
         launch = self.launch_info
         channel_env = await_channel(launch, self.store)
         rank_env = replace(launch.rank_env, store_is_hosted=True, store_prefix=launch.key("pg"),
@@ -177,7 +181,8 @@ class ExternalExecutor(Executor):
         channel = protocol.connect_to_driver(channel_env)
         channel.send(protocol.Hello(launch.rank, os.getpid()))
         watch = nullcontext() if launch.rank == 0 else DriverWatch(channel.fileno(), launch.rank, channel_env[protocol.ENV_DRIVER_ADDRESS])
-        with rank_signals(channel, launch.rank) as signals, watch:  # torchrun forwards its SIGTERM to every rank
+        # torchrun forwards its SIGTERM (a notice) and its SIGHUP (HangUp) to every rank
+        with rank_signals(channel, launch.rank, hang_up=True, controller=preemption) as signals, watch:
             outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
         try:
             channel.send(outcome)

@@ -31,7 +31,7 @@ from lockstep._internal import protocol
 from lockstep._internal.executors.base import Executor, GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.external import ControllerThread
-from lockstep._internal.preemption import PreemptionStop, rank_signals
+from lockstep._internal.preemption import Preemption, PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
 from lockstep.backend import BackendConfig
 
@@ -82,9 +82,10 @@ class InlineExecutor(Executor):
         except BaseException:
             group.stop()
             raise
-        thread = ControllerThread(lambda: driver.drive(controller))
+        thread = ControllerThread(lambda: driver.drive(controller), lambda error: None)
+        thread.rank_done.set()  # no process group here: no lost host can leave the train function stuck
         thread.start()
-        interrupted = self._run_rank(job, group)
+        interrupted = self._run_rank(job, group, controller.preemption)
         thread.join()
         if interrupted is not None:
             raise interrupted
@@ -92,9 +93,10 @@ class InlineExecutor(Executor):
             raise thread.error
         return thread.result
 
-    def _run_rank(self, job: TrainJob, group: AttachedGroup) -> BaseException | None:
+    def _run_rank(self, job: TrainJob, group: AttachedGroup, preemption: Preemption) -> BaseException | None:
         """Run the train function on this thread as rank 0, connected to ``group``'s channel.
-        Return the KeyboardInterrupt (or alike) that stopped it, to raise once the run is recorded."""
+        Return the KeyboardInterrupt (or alike: a SIGHUP's HangUp, after ``preemption`` told the
+        controller) that stopped it, to raise once the run is recorded."""
         from lockstep._internal.worker import describe_failure, run_rank
         from lockstep.context import set_session
 
@@ -102,7 +104,7 @@ class InlineExecutor(Executor):
         interrupted: BaseException | None = None
         try:
             channel.send(protocol.Hello(0, os.getpid()))
-            with rank_signals(channel, 0):  # SIGTERM: a preemption notice to the controller thread
+            with rank_signals(channel, 0, hang_up=True, controller=preemption):  # SIGTERM: a notice; SIGHUP: interrupted
                 group.keep_return_value(run_rank(self._rank_env(), channel, lambda: _without_worker_setup(job),
                                                  {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
             outcome: Any = protocol.Finished(0, None)
