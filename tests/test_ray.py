@@ -21,6 +21,7 @@ import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep._internal.executors.base import GroupSpec
 from lockstep._internal.executors.ray import assign_ranks, rank_env
+from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
 from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle
 from lockstep._internal.ray_actor import WorkerPlace
 from lockstep.torch import TorchTrainer
@@ -90,8 +91,10 @@ def cluster_restored(cluster: Any) -> Iterator[Any]:
 
 @pytest.fixture
 def resources_released(cluster: Any) -> Iterator[None]:
-    """After the test: every CPU is free again and no placement group is left."""
+    """After the test (and after the actors its fits kept for the next fit are released): every
+    CPU is free again and no placement group is left."""
     yield
+    release_kept_actors()
     deadline = time.monotonic() + RESOURCE_RELEASE_WAIT_S
     while time.monotonic() < deadline:
         total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
@@ -396,6 +399,128 @@ def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluste
     assert [(row["step"], row["world"]) for row in result.metrics_history] == [(0, 1), (1, 1), (2, 1), (3, 2), (4, 2)]
     assert sorted(result.metrics["nodes"]) == ["0", "1"]
     assert result.num_failures == 0
+
+
+# -- actors kept between fits -------------------------------------------------------------------
+
+#: Module globals of an imported module persist in a kept actor (as documented); the tests
+#: below use this one to hand the first fit's process group to the second.
+_left_by_earlier_fit: dict[str, Any] = {}
+
+
+def report_pids() -> None:
+    """Rank 0 reports every rank's pid."""
+    import torch.distributed as dist
+
+    pids: list[Any] = [None] * lockstep.get_context().get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    lockstep.report({"pids": pids})
+
+
+def leave_leftovers() -> None:
+    """Report what an earlier fit in this process left (a variable, a process group), then leave
+    the same for the next."""
+    import torch.distributed as dist
+
+    seen = {"pid": os.getpid(), "variable": os.environ.get("LOCKSTEP_TEST_LEFTOVER"),
+            "had_earlier_group": "group" in _left_by_earlier_fit, "earlier_group_gone": None}
+    if "group" in _left_by_earlier_fit:
+        try:
+            dist.get_rank(_left_by_earlier_fit["group"])
+            seen["earlier_group_gone"] = False
+        except ValueError:
+            seen["earlier_group_gone"] = True
+        seen["same_world"] = _left_by_earlier_fit["world"] is dist.group.WORLD
+    _left_by_earlier_fit.update(group=dist.new_group([0, 1]), world=dist.group.WORLD)
+    os.environ["LOCKSTEP_TEST_LEFTOVER"] = "set by an earlier fit"
+    everyone: list[Any] = [None] * lockstep.get_context().get_world_size()
+    dist.all_gather_object(everyone, seen)
+    lockstep.report({"ranks": everyone})
+
+
+def fail_after_telling_pids(config: dict[str, Any]) -> None:
+    Path(config["folder"], f"pid_{os.getpid()}").write_text("")
+    if lockstep.get_context().get_world_rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    lockstep.report({"never": True})
+
+
+def wait_gone(pids: set[int], timeout_s: float = 20) -> set[int]:
+    """The processes of ``pids`` still running after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := {pid for pid in pids if Path(f"/proc/{pid}").exists()}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+@ray_test
+@pytest.mark.timeout(150)
+def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(storage_path: str) -> None:
+    first = fit_on_ray(leave_leftovers, storage_path, num_workers=2).metrics["ranks"]
+    assert POOL.kept is not None and len(POOL.kept.actors) == 2
+    second = fit_on_ray(leave_leftovers, storage_path, num_workers=2).metrics["ranks"]
+    assert [rank["pid"] for rank in second] == [rank["pid"] for rank in first], "the actors were not reused"
+    for rank in second:
+        assert rank["had_earlier_group"], "not the same process: the module global is gone"
+        assert rank["variable"] is None, "the first fit's environment variable leaked into the second"
+        assert rank["earlier_group_gone"] is True and rank["same_world"] is False, "the first fit's process group survived"
+    release_kept_actors()
+    assert POOL.kept is None
+    assert not wait_gone({rank["pid"] for rank in second}), "released actors still run"
+
+
+@ray_test
+@pytest.mark.timeout(150)
+def test_a_failed_fits_actors_are_not_reused(storage_path: str, tmp_path: Path) -> None:
+    trainer = TorchTrainer(fail_after_telling_pids, train_loop_config={"folder": str(tmp_path)},
+                           scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage_path))
+    with pytest.raises(TrainingFailedError, match="rank 1 fails on purpose"):
+        trainer.fit()
+    assert POOL.kept is None
+    failed = {int(path.name.split("_")[1]) for path in tmp_path.glob("pid_*")}
+    assert len(failed) == 2
+    pids = set(fit_on_ray(report_pids, storage_path, num_workers=2).metrics["pids"])
+    assert not pids & failed
+    assert not wait_gone(failed), "the failed fit's actors still run"
+
+
+def report_pids_until_stopped() -> None:
+    """Report every rank's pid at each step, until the run is stopped."""
+    import torch.distributed as dist
+
+    pids: list[Any] = [None] * lockstep.get_context().get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    for step in range(1000):
+        lockstep.report({"step": step, "pids": pids})
+
+
+@ray_test
+@pytest.mark.timeout(150)
+def test_the_actors_of_a_run_stopped_early_are_reused(storage_path: str) -> None:
+    run = RunConfig(storage_path=storage_path, stop={"training_iteration": 2})
+    stopped = TorchTrainer(report_pids_until_stopped, scaling_config=ScalingConfig(num_workers=2), run_config=run).fit()
+    assert stopped.metrics["step"] == 1
+    assert fit_on_ray(report_pids, storage_path, num_workers=2).metrics["pids"] == stopped.metrics["pids"]
+
+
+@ray_test
+@pytest.mark.timeout(150)
+def test_another_shape_gets_new_actors_and_the_kept_ones_are_released(storage_path: str) -> None:
+    packed = set(fit_on_ray(report_pids, storage_path, num_workers=2, placement_strategy="PACK").metrics["pids"])
+    spread = set(fit_on_ray(report_pids, storage_path, num_workers=2, placement_strategy="SPREAD").metrics["pids"])
+    assert not packed & spread
+    assert not wait_gone(packed), "the kept actors of the other shape still run"
+    assert POOL.kept is not None and POOL.kept.shape.placement_strategy == "SPREAD"
+
+
+@ray_test
+@pytest.mark.timeout(150)
+def test_warm_start_off_starts_new_actors_for_every_fit(storage_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCKSTEP_WARM_START", "0")
+    first = set(fit_on_ray(report_pids, storage_path, num_workers=2).metrics["pids"])
+    assert POOL.kept is None
+    second = set(fit_on_ray(report_pids, storage_path, num_workers=2).metrics["pids"])
+    assert not first & second
 
 
 # -- without a cluster --------------------------------------------------------------------------

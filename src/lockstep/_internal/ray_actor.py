@@ -8,6 +8,7 @@ function is (``stack``) while it runs.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -41,6 +42,7 @@ class RayWorker:
 
     def __init__(self) -> None:
         self._train_thread: int | None = None
+        self._clean = True
 
     def place(self) -> WorkerPlace:
         """Where this actor runs."""
@@ -58,6 +60,8 @@ class RayWorker:
 
     def run(self, payload: bytes, env: dict[str, str], datasets: dict[str, Any], python_path: list[str]) -> int:
         """Run this rank to its end; return its exit code (0 when the train function returned).
+        Afterwards the process is as the run found it (environment, import path, no process
+        group, no session), so the driver may keep the actor for its next fit.
 
         Args:
             payload: The pickled :class:`~lockstep._internal.payload.TrainJob`.
@@ -65,6 +69,14 @@ class RayWorker:
             datasets: This rank's shards of the Ray datasets.
             python_path: The driver's own import path entries; those that exist here are added.
         """
+        saved = RunLeftovers()
+        self._clean = False
+        try:
+            return self._run(payload, env, datasets, python_path)
+        finally:
+            self._clean = saved.restore()
+
+    def _run(self, payload: bytes, env: dict[str, str], datasets: dict[str, Any], python_path: list[str]) -> int:
         os.environ.update(env)
         sys.path[:0] = [entry for entry in python_path if os.path.isdir(entry) and entry not in sys.path]
         self._train_thread = threading.get_ident()
@@ -78,7 +90,15 @@ class RayWorker:
             channel.send(outcome)
         finally:
             channel.close()
+            self._train_thread = None
         return exit_code
+
+    def ready(self) -> WorkerPlace:
+        """Where this actor runs, once its last run left it clean (else a RuntimeError): the
+        driver asks before it reuses the actor."""
+        if not self._clean:
+            raise RuntimeError("this actor's last run did not leave it clean; it must not be reused")
+        return self.place()
 
     def stack(self) -> str:
         """The train function's current Python stack (most recent call last)."""
@@ -87,6 +107,37 @@ class RayWorker:
             return ""
         lines = traceback.format_stack(frame)
         return "".join(line for line in lines if not any(part in line.splitlines()[0] for part in PLUMBING))
+
+
+class RunLeftovers:
+    """What a run changes in the actor's process, saved before it and put back after it: the
+    environment, the import path, the ``report()`` session, the torch process group (the
+    backend's shutdown leaves it; this is the safety net) and the job's objects."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.path = list(sys.path)
+
+    def restore(self) -> bool:
+        """Put the process back; whether that fully succeeded."""
+        clean = True
+        for name in [name for name in os.environ if name not in self.environ]:
+            del os.environ[name]
+        for name, value in self.environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        sys.path[:] = self.path
+        from lockstep.context import set_session
+
+        set_session(None)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001 - then the actor is not reused
+                clean = False
+        gc.collect()
+        return clean
 
 
 class ForwardedOutput:

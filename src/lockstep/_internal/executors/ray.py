@@ -17,16 +17,19 @@ import os
 import queue
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from lockstep._internal import protocol
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.python_path import user_python_path
-from lockstep._internal.executors.ray_placement import check_request, cluster_capacity, reserve, worker_bundle
+from lockstep._internal.executors.ray_placement import (
+    RankPlace, assign_ranks, check_request, cluster_capacity, rank_env, reserve, worker_bundle,
+)
+from lockstep._internal.executors.ray_pool import POOL, KeptGroup, reuse_enabled, shape_of
 from lockstep._internal.payload import TrainJob, serialize_payload
-from lockstep._internal.rank_env import RankEnv, threads_for
-from lockstep._internal.ray_actor import RayWorker, WorkerPlace
+from lockstep._internal.ray_actor import RayWorker
 from lockstep.errors import TrainingFailedError
 
 if TYPE_CHECKING:
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["RankPlace", "RayExecutor", "RayWorkerGroup", "assign_ranks", "connect", "rank_env", "split_datasets"]
 
 #: How long the driver keeps reading a rank's channel after Ray says the rank ended.
 LAST_MESSAGES_WAIT_S = 10.0
@@ -72,58 +77,6 @@ def connect(address: str | None) -> None:
         )
 
 
-# -- ranks --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """Where a rank runs and who it is there."""
-
-    actor_index: int
-    world_rank: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    place: WorkerPlace
-
-
-def assign_ranks(places: list[WorkerPlace], first_node_id: str | None = None) -> list[RankPlace]:
-    """World ranks for actors at ``places``: grouped by node (``first_node_id`` first, then in
-    the order nodes appear), and by GPU id within a node. Returned in world-rank order."""
-    node_order = list(dict.fromkeys(place.node_id for place in places))
-    if first_node_id in node_order:
-        node_order.remove(first_node_id)
-        node_order.insert(0, first_node_id)
-    ranked: list[RankPlace] = []
-    for node_rank, node_id in enumerate(node_order):
-        on_node = sorted(
-            (index for index, place in enumerate(places) if place.node_id == node_id),
-            key=lambda index: (_gpu_sort_key(places[index].gpu_ids), index),
-        )
-        for local_rank, index in enumerate(on_node):
-            ranked.append(RankPlace(index, len(ranked), local_rank, len(on_node), node_rank, places[index]))
-    return ranked
-
-
-def _gpu_sort_key(gpu_ids: tuple[str, ...]) -> tuple[int, int, str]:
-    if not gpu_ids:
-        return (0, 0, "")
-    first = gpu_ids[0]
-    return (0, int(first), "") if first.isdigit() else (1, 0, first)
-
-
-def rank_env(ranks: list[RankPlace], rank: RankPlace, master_port: int, cpus: float, use_gpu: bool) -> RankEnv:
-    """Who ``rank`` is: rank 0's node hosts the rendezvous store (opened by rank 0, which the
-    others join), and with GPUs a rank sees every GPU of its node's ranks."""
-    node_gpus = [gpu for other in ranks if other.node_rank == rank.node_rank for gpu in other.place.gpu_ids]
-    return RankEnv(
-        world_rank=rank.world_rank, world_size=len(ranks), local_rank=rank.local_rank,
-        local_world_size=rank.local_world_size, node_rank=rank.node_rank, master_addr=ranks[0].place.node_ip,
-        master_port=master_port, threads=threads_for(cpus), visible_gpus=tuple(dict.fromkeys(node_gpus)) if use_gpu else None,
-        gpu_ids=rank.place.gpu_ids if use_gpu else (), store_is_hosted=False, node_addr=rank.place.node_ip,
-    )
-
-
 # -- datasets -----------------------------------------------------------------------------------
 
 
@@ -142,7 +95,8 @@ def split_datasets(datasets: Mapping[str, Any], count: int, should_split: Callab
 
 
 class RayExecutor(Executor):
-    """Ray actors in a placement group, started afresh for each attempt; ``datasets`` are Ray
+    """Ray actors in a placement group for each attempt: those a previous fit of this process
+    left (see :mod:`~lockstep._internal.executors.ray_pool`), else new ones; ``datasets`` are Ray
     Datasets, split per attempt into one streaming shard per rank (those ``should_split`` names).
 
     Raises:
@@ -161,23 +115,44 @@ class RayExecutor(Executor):
         self.should_split = should_split
 
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:
-        """Serialize the job once, then let the driver run attempts of fresh actors."""
+        """Serialize the job once, then let the driver run attempts; keep the last attempt's
+        actors for the next fit when the run ends with a Result and they ended cleanly."""
         payload = serialize_payload(job)
         spec = replace(self.spec, log_dir=driver.log_dir, console=driver.console)
+        parked: list[KeptGroup] | None = [] if reuse_enabled() else None
+        if parked is None:
+            POOL.release()
 
         def start_group(size: int) -> RayWorkerGroup:
-            return RayWorkerGroup(replace(spec, num_workers=size), payload, self.datasets, self.should_split)
+            for earlier in parked or []:  # a new attempt: the earlier one was not the last
+                earlier.release()
+            if parked:
+                parked.clear()
+            return RayWorkerGroup(replace(spec, num_workers=size), payload, self.datasets, self.should_split, parked)
 
-        return driver.run(GroupFactory(self.name, start_group, self.min_workers, self.max_workers,
-                                       lambda: cluster_capacity(spec)))
+        try:
+            result = driver.run(GroupFactory(self.name, start_group, self.min_workers, self.max_workers,
+                                             lambda: cluster_capacity(spec)))
+        except BaseException:
+            for group in parked or []:
+                group.release()
+            raise
+        if parked:
+            for group in parked[:-1]:
+                group.release()
+            POOL.keep(parked[-1])
+        return result
 
 
 class RayWorkerGroup(ChannelGroup):
-    """``num_workers`` Ray actors in one placement group, each running the serialized job ``payload``."""
+    """``num_workers`` Ray actors in one placement group, each running the serialized job
+    ``payload``. With ``parked`` (a list), the group first asks the pool for kept actors of its
+    shape, and ``stop`` appends its actors there instead of killing them when every rank ended
+    cleanly (the executor then keeps or releases them)."""
 
     def __init__(
         self, spec: GroupSpec, payload: bytes, datasets: Mapping[str, Any] | None = None,
-        should_split: Callable[[str], bool] = lambda name: True,
+        should_split: Callable[[str], bool] = lambda name: True, parked: list[KeptGroup] | None = None,
     ) -> None:
         import ray
 
@@ -192,11 +167,25 @@ class RayWorkerGroup(ChannelGroup):
         self._ended: queue.SimpleQueue[WorkerExited] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._watcher: threading.Thread | None = None
+        self._parked = parked
+        self._left_cleanly: set[int] = set()
+        self._exits: dict[int, WorkerExited] = {}
 
     # -- start ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Reserve the placement group, start one actor per bundle, give them ranks and run them."""
+        """Take kept actors of this shape, or reserve the placement group, start one actor per
+        bundle and give them ranks; then run them."""
+        import ray
+
+        kept = POOL.take(shape_of(self.spec)) if self._parked is not None else None
+        if kept is not None:
+            self._placement_group, self._actors, self._places = kept.placement_group, list(kept.actors), list(kept.places)
+        else:
+            self._start_actors()
+        self._run_all(ray.put(self.payload))
+
+    def _start_actors(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -217,7 +206,6 @@ class RayWorkerGroup(ChannelGroup):
         self._places = assign_ranks(places, ray.get_runtime_context().get_node_id())
         self._actors = [actors[rank.actor_index] for rank in self._places]
         logger.debug("Ray actors placed: %s", [(rank.world_rank, rank.place.node_ip, rank.place.node_id[:8]) for rank in self._places])
-        self._run_all(ray.put(self.payload))
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         import ray
@@ -268,6 +256,8 @@ class RayWorkerGroup(ChannelGroup):
         for exited in ended:
             events += self._relayed(self._channels.drain_rank(exited.rank, until_closed_s=LAST_MESSAGES_WAIT_S))
             events.append(exited)
+            self._exits[exited.rank] = exited
+        self._left_cleanly.update(_ranks_leaving_cleanly(events))
         return events
 
     # -- diagnostics ---------------------------------------------------------------------------
@@ -289,12 +279,17 @@ class RayWorkerGroup(ChannelGroup):
     # -- stop ----------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Kill every actor, release the placement group, close the channels."""
+        """Kill every actor and release the placement group (or, when every rank ended cleanly
+        and reuse is on, park them for the executor); close the channels."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self._actors:
-            ray.kill(actor, no_restart=True)
+        if self._parked is not None and self._placement_group is not None and self._ended_cleanly():
+            self._parked.append(KeptGroup(shape_of(self.spec), self._actors, self._places, self._placement_group))
+            self._placement_group = None  # parked: neither killed nor removed here
+        else:
+            for actor in self._actors:
+                ray.kill(actor, no_restart=True)
         if self._watcher is not None:
             self._watcher.join(LAST_MESSAGES_WAIT_S)
         if self._placement_group is not None:
@@ -306,6 +301,21 @@ class RayWorkerGroup(ChannelGroup):
             os.close(self._wake_write)
             self._wake_read = self._wake_write = -1
         self._actors = []
+
+    def _ended_cleanly(self) -> bool:
+        """Whether the actors may be kept: every rank's run returned after its train function
+        returned or it left at a stop (no failure, no dead actor)."""
+        ranks = set(range(len(self._actors)))
+        return (bool(ranks) and self._left_cleanly == ranks and set(self._exits) == ranks
+                and all(exited.cause is None and exited.returncode in (0, 1) for exited in self._exits.values()))
+
+
+def _ranks_leaving_cleanly(events: list[Any]) -> set[int]:
+    """The ranks whose train function returned, or that left at a stop (a preemption's too: a
+    preempted run raises, and the executor then keeps nothing)."""
+    ranks = {event.rank for event in events if isinstance(event, protocol.Finished)}
+    return ranks | {event.failure.rank for event in events
+                    if isinstance(event, protocol.Failed) and event.failure.error_type == "PreemptionStop"}
 
 
 def _exit_of(rank: int, ref: Any) -> WorkerExited:

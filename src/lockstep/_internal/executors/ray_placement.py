@@ -1,12 +1,15 @@
 """Where the Ray executor's workers go: placement-group bundles, what the cluster's nodes can
-hold, and the errors that say why a request can't be met."""
+hold, the errors that say why a request can't be met, and the ranks of placed actors."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lockstep._internal.executors.base import GroupSpec
+from lockstep._internal.rank_env import RankEnv, threads_for
+from lockstep._internal.ray_actor import WorkerPlace
 from lockstep.errors import TrainingFailedError
 
 ACCELERATOR_SHARE = 0.001
@@ -122,4 +125,56 @@ def reserve(spec: GroupSpec) -> Any:
         f"{spec.placement_timeout_s:g} s (ScalingConfig.placement_timeout_s): other work holds the resources. "
         f"Available now: {_short_resources(available)}.\nThe cluster's nodes:\n{describe_nodes(alive_nodes())}\n"
         "Free resources, add nodes, ask for less, or wait longer."
+    )
+
+
+# -- ranks --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank runs and who it is there."""
+
+    actor_index: int
+    world_rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    place: WorkerPlace
+
+
+def assign_ranks(places: list[WorkerPlace], first_node_id: str | None = None) -> list[RankPlace]:
+    """World ranks for actors at ``places``: grouped by node (``first_node_id`` first, then in
+    the order nodes appear), and by GPU id within a node. Returned in world-rank order."""
+    node_order = list(dict.fromkeys(place.node_id for place in places))
+    if first_node_id in node_order:
+        node_order.remove(first_node_id)
+        node_order.insert(0, first_node_id)
+    ranked: list[RankPlace] = []
+    for node_rank, node_id in enumerate(node_order):
+        on_node = sorted(
+            (index for index, place in enumerate(places) if place.node_id == node_id),
+            key=lambda index: (_gpu_sort_key(places[index].gpu_ids), index),
+        )
+        for local_rank, index in enumerate(on_node):
+            ranked.append(RankPlace(index, len(ranked), local_rank, len(on_node), node_rank, places[index]))
+    return ranked
+
+
+def _gpu_sort_key(gpu_ids: tuple[str, ...]) -> tuple[int, int, str]:
+    if not gpu_ids:
+        return (0, 0, "")
+    first = gpu_ids[0]
+    return (0, int(first), "") if first.isdigit() else (1, 0, first)
+
+
+def rank_env(ranks: list[RankPlace], rank: RankPlace, master_port: int, cpus: float, use_gpu: bool) -> RankEnv:
+    """Who ``rank`` is: rank 0's node hosts the rendezvous store (opened by rank 0, which the
+    others join), and with GPUs a rank sees every GPU of its node's ranks."""
+    node_gpus = [gpu for other in ranks if other.node_rank == rank.node_rank for gpu in other.place.gpu_ids]
+    return RankEnv(
+        world_rank=rank.world_rank, world_size=len(ranks), local_rank=rank.local_rank,
+        local_world_size=rank.local_world_size, node_rank=rank.node_rank, master_addr=ranks[0].place.node_ip,
+        master_port=master_port, threads=threads_for(cpus), visible_gpus=tuple(dict.fromkeys(node_gpus)) if use_gpu else None,
+        gpu_ids=rank.place.gpu_ids if use_gpu else (), store_is_hosted=False, node_addr=rank.place.node_ip,
     )
