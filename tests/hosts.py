@@ -274,7 +274,7 @@ def wait_listening(host: Host, address: str, port: int, timeout_s: float,
 class RayCluster:
     """A Ray head on ``head`` and one worker node on each of ``workers``, each started with
     ``ray start --block`` inside its host (so the process is ours), its own ``--temp-dir`` and
-    ``cpus`` CPUs. Its processes are stopped by :meth:`stop` (or the network's teardown).
+    ``cpus`` CPUs (the head ``head_cpus`` when given). Its processes are stopped by :meth:`stop` (or the network's teardown).
 
     Each folder in ``node_local_dirs`` is, on the worker nodes, an empty folder of their own (a
     tmpfs mounted in a mount namespace of the node's processes), as if it lay on each worker
@@ -287,11 +287,12 @@ class RayCluster:
     GCS_PORT = 6379
 
     def __init__(self, head: Host, workers: Sequence[Host], cpus: int = 1, env: Mapping[str, str] | None = None,
-                 node_local_dirs: Sequence[str] = ()) -> None:
+                 node_local_dirs: Sequence[str] = (), head_cpus: int | None = None) -> None:
         self.head = head
         self.node_local_dirs = list(node_local_dirs)
         self.workers = list(workers)
         self.cpus = cpus
+        self.head_cpus = cpus if head_cpus is None else head_cpus
         # Token auth off: it turns itself on when ~/.ray holds a token, and the test's nodes and
         # drivers would then disagree; the cluster lives on a private test network.
         self.env = {**(env if env is not None else _untagged_environ()), "RAY_USAGE_STATS_ENABLED": "0",
@@ -307,7 +308,7 @@ class RayCluster:
     def _start_node(self, host: Host, head: bool) -> subprocess.Popen[bytes]:
         ray = str(Path(sys.executable).with_name("ray"))
         role = ["--head", f"--port={self.GCS_PORT}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
-        args = [ray, "start", "--block", *role, f"--node-ip-address={host.address}", f"--num-cpus={self.cpus}",
+        args = [ray, "start", "--block", *role, f"--node-ip-address={host.address}", f"--num-cpus={self.head_cpus if head else self.cpus}",
                 "--num-gpus=0", f"--temp-dir={self.temp_dir(host)}", "--object-store-memory=100000000",
                 "--disable-usage-stats"]
         if not head and self.node_local_dirs:
@@ -326,6 +327,12 @@ class RayCluster:
         for worker in self.workers:
             self._start_node(worker, head=False)
         return self
+
+    def restart(self, worker: Host) -> None:
+        """Kill everything on ``worker`` and start its node again (a node Ray marked dead, after
+        a cut, does not rejoin by itself). Drivers wait for it to be alive themselves."""
+        worker.kill_all()
+        self._start_node(worker, head=False)
 
     def logs(self) -> str:
         """The tail of every node's ``ray start`` output (for failure messages)."""

@@ -268,6 +268,8 @@ class Controller:
         elif isinstance(event, protocol.Finished):
             self._on_finished(event, attempt, group)
         elif isinstance(event, protocol.Failed):
+            if event.failure.error_type == HangUp.__name__:  # torchrun passed its SIGHUP to the ranks
+                self.preemption.hang_up(event.failure.message)
             if self.stopping.left(event.failure):
                 attempt.liveness.finish(event.failure.rank)  # told to stop: it left at that report
             else:
