@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench bench-quick install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,11 +22,27 @@ demo: install
 test: install
 	LOCKSTEP_DATA=$(DATA) $(PY) -m pytest
 
+# make bench: about 25 minutes on 2 CPUs (benchmarks/README.md); every script writes its raw
+# results into benchmarks/results/, and tables.py then writes the README tables from them.
+RESULTS := benchmarks/results
 bench: install
-	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --json benchmarks/results_jobs.json
-	$(PY) benchmarks/checkpoint_bench.py --json benchmarks/results_checkpoint.json
-	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --json benchmarks/results_ray.json
-	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --json benchmarks/results_step.json
+	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --no-one-worker --results-dir $(RESULTS)
+	$(PY) benchmarks/checkpoint_bench.py --results-dir $(RESULTS)
+	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --repeats 2 --results-dir $(RESULTS)
+	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
+	$(PY) benchmarks/tables.py
+
+# make bench-quick: a few minutes; checks that every script works (results marked quick, which
+# tables.py leaves out unless given --include-quick; benchmarks/results/.gitignore keeps them
+# out of git).
+bench-quick: install
+	$(PY) benchmarks/bench_jobs.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/checkpoint_bench.py --quick --results-dir $(RESULTS)
+	$(PY) benchmarks/ray_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/step_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)
+	$(PY) benchmarks/tables.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

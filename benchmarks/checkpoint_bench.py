@@ -61,7 +61,8 @@ import lockstep
 from lockstep import Checkpoint, CheckpointUploadMode, RunConfig, ScalingConfig
 from lockstep.torch import TorchTrainer
 
-from machine import describe_machine  # noqa: E402 - benchmarks/ is the script folder
+from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
+from record import Goal, add_results_args, goals_markdown, write_result  # noqa: E402
 
 MB = 1_000_000
 BUCKET = "lockstep-bench"
@@ -255,7 +256,7 @@ def markdown(summary: dict[str, Any], size: int, args: argparse.Namespace, info:
     """The results as markdown tables, with the machine and the command."""
     samples = args.repeats * args.reports
     lines = [
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['torch']}; {info['date']}",
+        machine_line(info),
         f"Command: `{command}`",
         f"Payload: ResNet18 state dict, {size / MB:.1f} MB, rank 0 only; {args.num_workers} workers; "
         f"{args.warmup} warm-up + {args.reports} reports per fit; {args.repeats} repeats "
@@ -296,7 +297,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--targets", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     parser.add_argument("--work-dir", type=Path, default=None, help="temporary files (default: a new temp folder)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="a check that it works, not a measurement: 1 repeat of 2 reports; results marked quick")
+    add_results_args(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.reports = 1, 2
     if args.reports < 1 or args.repeats < 1 or args.warmup < 0 or args.num_workers < 1:
         parser.error("--reports, --repeats and --num-workers must be >= 1, --warmup >= 0")
     return args
@@ -339,7 +345,16 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(raw, size)
-    print(markdown(summary, size, args, info, command))
+    goals = goals_of(summary, args)
+    text = markdown(summary, size, args, info, command) + "\n\n" + goals_markdown(goals)
+    print(text)
+    document = {"partial": set(args.targets) != {"local", "s3"}, "payload_bytes": size, "payload": "resnet18 state_dict, rank 0 only",
+                "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+                "summary": summary, "raw": raw}
+    path = write_result(args.results_dir, "checkpoint", command, info, args.quick, document, goals, text,
+                        headline(summary))
+    if path is not None:
+        print(f"results: {path}", file=sys.stderr)
     if args.json is not None:
         document = {
             "command": command, "machine": info, "payload_bytes": size, "payload": "resnet18 state_dict, rank 0 only",
@@ -348,6 +363,33 @@ def main(argv: list[str] | None = None) -> None:
             "summary": summary, "raw": raw,
         }
         args.json.write_text(json.dumps(document, indent=1))
+
+
+def goals_of(summary: dict[str, Any], args: argparse.Namespace) -> list[Goal]:
+    """The two goals per target, each judged by a ratio of medians over every measured report."""
+    samples = args.repeats * args.reports
+    goals = []
+    for target, rows in summary.items():
+        goals.append(Goal(f"{target}: ASYNC / SYNC time blocked in report()",
+                          f"ratio of the medians of all blocked times ({samples} reports each)",
+                          rows["async_over_sync_blocked"], ASYNC_GOAL))
+        goals.append(Goal(f"{target}: SYNC / plain-write throughput",
+                          f"ratio of the medians ({samples} reports, {samples} plain writes)",
+                          rows["sync_over_plain_throughput"], THROUGHPUT_GOAL, at_most=False))
+    return goals
+
+
+def headline(summary: dict[str, Any]) -> list[dict[str, str]]:
+    """Rows for the top-level README's performance table."""
+    rows = []
+    for target, entry in summary.items():
+        where = "local disk" if target == "local" else "a local S3 server (moto)"
+        rows.append({"what": f"report() with a 47 MB checkpoint to {where}, time blocked (median)",
+                     "lockstep": f"SYNC {entry['SYNC']['blocked_median_s'] * 1e3:.0f} ms, "
+                                 f"ASYNC {entry['ASYNC']['blocked_median_s'] * 1e3:.0f} ms",
+                     "compared_with": f"plain write {entry['plain']['median_s'] * 1e3:.0f} ms",
+                     "ratio": f"SYNC/plain throughput {entry['sync_over_plain_throughput']:.2f} (goal >= {THROUGHPUT_GOAL})"})
+    return rows
 
 
 @contextmanager

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from bench_jobs import JOBS, default_data_dir, percentile, rotated, run_job  # noqa: E402 - script folder
-from machine import describe_machine  # noqa: E402
+from machine import describe_machine, machine_line  # noqa: E402
+from record import add_results_args, bootstrap_ci, paired_ratios, write_result  # noqa: E402
 
 CLUSTER_CPUS = 3
 
@@ -93,7 +94,9 @@ def summarize(raw: dict[str, dict[str, list[Any]]]) -> dict[str, Any]:
         for key, results in raw["e2e"].items():
             walls = [result.wall_s for result in results]
             rows[key] = {"median_s": statistics.median(walls), "min_s": min(walls), "max_s": max(walls), "runs_s": walls}
-        summary["e2e"] = {"rows": rows, "lockstep_ray_over_ray_train": rows["lockstep_ray"]["median_s"] / rows["ray_train"]["median_s"]}
+        ratios = paired_ratios(rows["lockstep_ray"]["runs_s"], rows["ray_train"]["runs_s"])
+        summary["e2e"] = {"rows": rows, "lockstep_ray_over_ray_train": statistics.median(ratios),
+                          "ci95": bootstrap_ci(ratios)}
     if "report" in raw:
         summary["report"] = {
             key: {
@@ -110,7 +113,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
     labels = {variant.key: variant.label for variant in E2E_VARIANTS}
     images = f"first {args.e2e_limit:,} training images" if args.e2e_limit else "60,000 training images"
     lines = [
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, torch {info['torch']}, Ray {ray_version}; {info['date']}",
+        machine_line(info),
         f"Command: `{command}`",
         f"One local Ray cluster ({CLUSTER_CPUS} CPUs) shared by every run; {args.repeats} interleaved repeat(s), medians; "
         f"whole process (launch to exit); 2 workers; e2e = seed 003's MLP job, {images}, 1 epoch + validation.",
@@ -120,7 +123,9 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
         lines += ["| e2e | wall median (s) | min (s) | max (s) |", "|---|---:|---:|---:|"]
         for key, row in summary["e2e"]["rows"].items():
             lines.append(f"| {labels[key]} | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['max_s']:.2f} |")
-        lines += [f"| lockstep (Ray executor) / Ray Train | {summary['e2e']['lockstep_ray_over_ray_train']:.3f} | | |", ""]
+        low, high = summary["e2e"]["ci95"]
+        lines += [f"| lockstep (Ray executor) / Ray Train, median of paired per-round ratios (95% CI {low:.3f} – {high:.3f}; "
+                  f"no goal) | {summary['e2e']['lockstep_ray_over_ray_train']:.3f} | | |", ""]
     if "report" in summary:
         lines += ["| metrics-only report(), rank 0 | calls per run | p50 (ms) | p99 (ms) |", "|---|---:|---:|---:|"]
         for key, row in summary["report"].items():
@@ -139,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", default=default_data_dir(), help="Fashion-MNIST root (torchvision layout)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    add_results_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = 1
@@ -154,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     info = describe_machine()
     work = Path(tempfile.mkdtemp(prefix="ray_bench_"))
     (work / "logs").mkdir()
-    cluster = ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
+    # address='local': always a new cluster of our own, even when another one runs on this machine
+    cluster = ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
     address = cluster.address_info["address"]
     raw: dict[str, dict[str, list[Any]]] = {}
     try:
@@ -170,12 +177,34 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(raw)
-    print(markdown(summary, args, info, ray.__version__, command))
+    text = markdown(summary, args, info, ray.__version__, command)
+    print(text)
+    document = {"ray": ray.__version__, "summary": summary, "partial": set(args.only) != {"e2e", "report"},
+                "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+                "raw": {section: {key: [vars(result) for result in results] for key, results in runs.items()}
+                        for section, runs in raw.items()}}
+    path = write_result(args.results_dir, "ray", command, info, args.quick, document, [], text, headline(summary))
+    if path is not None:
+        print(f"results: {path}", file=sys.stderr)
     if args.json is not None:
-        document = {"command": command, "machine": info, "ray": ray.__version__, "summary": summary,
-                    "raw": {section: {key: [vars(result) for result in results] for key, results in runs.items()}
-                            for section, runs in raw.items()}}
-        args.json.write_text(json.dumps(document, indent=1))
+        args.json.write_text(json.dumps({"command": command, "machine": info, **document}, indent=1))
+
+
+def headline(summary: dict[str, Any]) -> list[dict[str, str]]:
+    """Rows for the top-level README's performance table."""
+    rows = []
+    if "e2e" in summary:
+        e2e = summary["e2e"]
+        rows.append({"what": "seed 003's job on one Ray cluster, whole process",
+                     "lockstep": f"{e2e['rows']['lockstep_ray']['median_s']:.2f} s (Ray executor)",
+                     "compared_with": f"Ray Train {e2e['rows']['ray_train']['median_s']:.2f} s",
+                     "ratio": f"{e2e['lockstep_ray_over_ray_train']:.3f}"})
+    if "report" in summary:
+        report = summary["report"]
+        rows.append({"what": "metrics-only report() on one Ray cluster, p50",
+                     "lockstep": f"{report['lockstep_ray']['p50_s'] * 1e3:.3f} ms (Ray executor)",
+                     "compared_with": f"Ray Train {report['ray_train']['p50_s'] * 1e3:,.1f} ms", "ratio": ""})
+    return rows
 
 
 if __name__ == "__main__":

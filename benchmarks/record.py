@@ -1,0 +1,146 @@
+"""Results files and the statistics that judge goals, shared by the benchmark scripts.
+
+Every script run with ``--results-dir DIR`` (``make bench`` passes ``benchmarks/results``) writes
+one JSON file ``DIR/<kind>-<UTC date-time>-<short commit>.json`` holding the date, the machine,
+the git commit (and whether the tree was dirty), the exact command, the raw samples, the summary,
+the goals with their verdicts, and the markdown the script printed. ``benchmarks/tables.py``
+writes the README tables from the newest file of each kind.
+
+A goal is judged by the statistic written next to it in the code (``Goal.statistic``), fixed
+before measuring; the scripts print PASS or MISS with the figure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal: what is compared, the statistic that judges it, the limit, the figure, the verdict.
+
+    ``at_most`` is True for "figure <= limit" goals, False for "figure >= limit".
+    """
+
+    name: str
+    statistic: str
+    value: float
+    limit: float
+    at_most: bool = True
+    unit: str = ""
+    ci95: tuple[float, float] | None = None
+
+    @property
+    def met(self) -> bool:
+        """Whether the figure is on the right side of the limit."""
+        return self.value <= self.limit if self.at_most else self.value >= self.limit
+
+    @property
+    def verdict(self) -> str:
+        """PASS or MISS."""
+        return "PASS" if self.met else "MISS"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The goal for the results file, with its verdict."""
+        return {**asdict(self), "verdict": self.verdict}
+
+
+def fmt(value: float, unit: str) -> str:
+    """A figure with its unit, to 3 significant decimals."""
+    return f"{value:.3f}{(' ' + unit) if unit else ''}"
+
+
+def goals_markdown(goals: Sequence[Goal]) -> str:
+    """The goals as a markdown table: goal, statistic, figure (with its 95% interval), verdict."""
+    lines = ["| goal | statistic (fixed before measuring) | figure | 95% CI | result |", "|---|---|---:|---:|---|"]
+    for goal in goals:
+        sign = "<=" if goal.at_most else ">="
+        ci = f"{fmt(goal.ci95[0], goal.unit)} – {fmt(goal.ci95[1], goal.unit)}" if goal.ci95 else "–"
+        lines.append(f"| {goal.name} {sign} {fmt(goal.limit, goal.unit)} | {goal.statistic} | "
+                     f"{fmt(goal.value, goal.unit)} | {ci} | {goal.verdict} |")
+    return "\n".join(lines)
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+def bootstrap_ci(values: Sequence[float], statistic: Callable[[Sequence[float]], float] = statistics.median,
+                 level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``statistic`` over ``values`` (fixed seed: reproducible)."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    generator = random.Random(BOOTSTRAP_SEED)
+    estimates = sorted(statistic(generator.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return estimates[int(tail * (resamples - 1))], estimates[int((1 - tail) * (resamples - 1))]
+
+
+def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """Per-round ratios of two equally long series measured in the same rounds."""
+    if len(numerators) != len(denominators):
+        raise ValueError(f"paired_ratios: {len(numerators)} against {len(denominators)} rounds")
+    return [a / b for a, b in zip(numerators, denominators)]
+
+
+def ratio_goal(name: str, numerators: Sequence[float], denominators: Sequence[float], limit: float) -> Goal:
+    """A "ratio <= limit" goal judged by the median of the paired per-round ratios."""
+    ratios = paired_ratios(numerators, denominators)
+    return Goal(name, f"median of paired per-round ratios, {len(ratios)} rounds", statistics.median(ratios),
+                limit, ci95=bootstrap_ci(ratios))
+
+
+# -- results files ------------------------------------------------------------------------------
+
+
+def git_state() -> dict[str, Any]:
+    """The commit checked out (full and short) and whether the tree has uncommitted changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": commit, "short": commit[:7], "dirty": dirty}
+
+
+def write_result(results_dir: Path | None, kind: str, command: str, machine: dict[str, str], quick: bool,
+                 document: dict[str, Any], goals: Sequence[Goal], markdown: str,
+                 headline: Sequence[dict[str, str]] = ()) -> Path | None:
+    """Write one results file into ``results_dir`` (nothing when it is None); return its path.
+
+    ``headline``: rows for the top-level README's performance table (``what``, ``lockstep``,
+    ``compared_with``, ``ratio``), already formatted by the script.
+    """
+    if results_dir is None:
+        return None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    git = git_state()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    path = results_dir / f"{kind}-{stamp}-{git['short']}{'-quick' if quick else ''}.json"
+    record = {
+        "kind": kind, "quick": quick, "date_utc": now.isoformat(timespec="seconds"), "git": git,
+        "command": command, "machine": machine, "goals": [goal.as_dict() for goal in goals],
+        "headline": list(headline), "markdown": markdown, **document,
+    }
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
+def add_results_args(parser: Any) -> None:
+    """The ``--results-dir`` option every script takes."""
+    parser.add_argument("--results-dir", type=Path, default=None, metavar="DIR",
+                        help="write a results file (date, machine, commit, command, raw samples) into DIR; "
+                             "make bench passes benchmarks/results")
