@@ -183,7 +183,10 @@ def test_the_relay_keeps_every_byte_in_the_logs_and_its_timer_shows_held_lines(
 def print_a_shared_and_an_own_line() -> None:
     import sys
 
+    import torch.distributed as dist
+
     rank = lockstep.get_context().get_world_rank()
+    dist.barrier()  # "at the same point": ranks start their train functions up to seconds apart on a loaded machine
     print("every rank says this", flush=True)
     print(f"only rank {rank} says this", flush=True)
     print("and this on stderr", file=sys.stderr, flush=True)
