@@ -26,6 +26,8 @@ ConsoleMode = Literal["rank0", "all", "none"]
 CONSOLE_MODES: tuple[ConsoleMode, ...] = ("rank0", "all", "none")
 TAIL_LINES = 20
 MERGE_WAIT_S = 0.5
+LOG_PARTIAL_MAX = 65536
+"""The most of an unfinished line a rank's log holds back for its end."""
 MAX_WAITING_LINES = 1000
 
 Show = Callable[[bytes, bool], None]
@@ -44,6 +46,7 @@ class OutputRelay:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Condition()
         self._files: dict[int, IO[bytes]] = {}
+        self._log_partial: dict[tuple[int, bool], bytes] = {}
         self._stderr_tails: dict[int, collections.deque[bytes]] = {}
         self._merging = MergingConsole(_show_on_console, merge_wait_s) if console == "all" else None
         self._timer: threading.Thread | None = None
@@ -79,9 +82,7 @@ class OutputRelay:
     def write(self, rank: int, chunk: bytes, is_stderr: bool) -> None:
         """Take ``chunk`` of what ``rank`` wrote: into its log, and to the console if shown."""
         with self._lock:
-            log = self._log_file(rank)
-            log.write(chunk)
-            log.flush()
+            self._write_log(rank, chunk, is_stderr)
             if is_stderr:
                 self._stderr_tails[rank].extend(chunk.splitlines(keepends=True))
             if self._merging is not None:
@@ -89,6 +90,21 @@ class OutputRelay:
                 self._wake_timer()
             elif self.console == "rank0" and rank == 0:
                 _show_on_console(chunk, is_stderr)
+
+    def _write_log(self, rank: int, chunk: bytes, is_stderr: bool) -> None:
+        """Append ``chunk`` to ``rank``'s log, whole lines only (a line ends at ``\\n`` or a
+        progress bar's ``\\r``): the rest waits for the stream's next chunk, so that a line of
+        stdout is never cut by one of stderr, whose pipe is read apart (lock held)."""
+        data = self._log_partial.pop((rank, is_stderr), b"") + chunk
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if len(data) - end > LOG_PARTIAL_MAX:
+            end = len(data)
+        if end < len(data):
+            self._log_partial[(rank, is_stderr)] = data[end:]
+        if end:
+            log = self._log_file(rank)
+            log.write(data[:end])
+            log.flush()
 
     def _log_file(self, rank: int) -> IO[bytes]:
         """``rank``'s open log file (created on first use; call with the lock held)."""
@@ -132,6 +148,9 @@ class OutputRelay:
             self._lock.notify()
             if self._merging is not None:
                 self._merging.show_all()
+            for (rank, _), rest in self._log_partial.items():
+                self._log_file(rank).write(rest)
+            self._log_partial.clear()
             for handle in self._files.values():
                 handle.close()
             self._files.clear()
