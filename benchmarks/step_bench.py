@@ -17,10 +17,10 @@ What it measures
      that waiting for another rank adds no noise): ``--model-block`` training steps (forward,
      loss, backward, SGD step; a fixed batch of 32 images) of the seed 003 MLP wrapped as
      ``prepare_model`` wraps it on CPU (``with_all_reduce_timing(DistributedDataParallel(m))``:
-     DDP with lockstep's all-reduce timing hook, from ``lockstep._internal.step_timing``; outside
-     a run ``prepare_model`` itself sees one worker and does not wrap) against
-     ``DistributedDataParallel(m)``. The hook's work (a Python call per gradient bucket, the
-     division, the completion callback) does not depend on the number of ranks;
+     DDP with lockstep's step counter for the all-reduce wait, from ``lockstep._internal.step_timing``;
+     outside a run ``prepare_model`` itself sees one worker and does not wrap) against
+     ``DistributedDataParallel(m)``. The wrapper's work (a forward pre-hook counting steps; DDP's
+     own sampled statistics are read once per report) does not depend on the number of ranks;
    * ``report()``: ``--report-calls`` metrics-only calls by both ranks (rank 0's time per call),
      counted once per ``--steps-per-report`` steps (default 938: seed 003 reports once per epoch
      of 938 steps per worker).
@@ -193,7 +193,7 @@ def direct_loader(config: dict[str, Any], world_size: int) -> dict[str, list[flo
 
 
 def direct_model(args: argparse.Namespace) -> dict[str, Any]:
-    """Per round, the block times of DDP with lockstep's timing hook and of plain DDP (in this
+    """Per round, the block times of DDP as prepare_model wraps it and of plain DDP (in this
     process, in a gloo group of one rank, 1 thread like a worker)."""
     import torch
     import torch.distributed as dist
@@ -212,16 +212,16 @@ def direct_model(args: argparse.Namespace) -> dict[str, Any]:
         models["bare"] = DistributedDataParallel(NeuralNetwork())
         optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-3) for name, model in models.items()}
         x, y = torch.rand(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
-        for name in models:  # warm-up (the prepared model registers its hook at its first forward)
+        for name in models:  # warm-up
             model_block(models[name], optimizers[name], x, y, 5)
-        CLOCK.restart()
+        CLOCK.close_window()  # drop the warm-up's figures
         times: dict[str, Any] = {}
         for round_index in range(args.direct_rounds):
             order = ["prepared", "bare"] if round_index % 2 == 0 else ["bare", "prepared"]
             for name in order:
                 note_block(times, f"model_{name}", model_block(models[name], optimizers[name], x, y, args.model_block))
-        times["hook_registered"] = bool(models["prepared"]._get_ddp_logging_data().get("comm_hook"))
-        times["hook_timed_s"] = CLOCK.collective_ns / 1e9  # > 0: the hook ran
+        times["hook_registered"] = bool(CLOCK.all_reduce_waits)
+        times["hook_timed_s"] = CLOCK.close_window().collective_s  # > 0: the wait was counted
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(threads)
@@ -324,15 +324,15 @@ def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespac
         "",
         "| added by lockstep, per step | µs | 95% CI (µs) | of the step time |", "|---|---:|---:|---:|",
         row("prepared loader's iterator (median of paired differences)", direct_part["loader_us"], direct_part["loader_ci95"]),
-        row("prepare_model's DDP with the timing hook (median of paired differences)", direct_part["model_us"],
+        row("prepare_model's DDP with the all-reduce wait counter (median of paired differences)", direct_part["model_us"],
             direct_part["model_ci95"]),
         row(f"report() (mean, p50 {direct_part['report_p50_ms']:.3f} ms) / {args.steps_per_report} steps",
             direct_part["report_per_step_us"], None),
         row("**total**", direct_part["added_us"], direct_part["added_ci95_us"]),
         "",
         f"Step time of the benchmark model (hand-written DDP, 2 workers, median of the whole-run rounds): "
-        f"{step_us:.0f} µs. Timing hook registered on the prepared model: {direct_part['hook_registered']} "
-        f"(it timed {direct_part['hook_timed_s'] * 1e3:.1f} ms of all-reduce tail in all).",
+        f"{step_us:.0f} µs. All-reduce wait counted on the prepared model: {direct_part['hook_registered']} "
+        f"({direct_part['hook_timed_s'] * 1e3:.1f} ms of all-reduce tail estimated in all).",
         "",
         "| whole runs, rank 0 | steps/s median |", "|---|---:|",
         *(f"| {name.replace('_', '-')} | {value:.1f} |" for name, value in whole["medians_steps_per_s"].items()),
@@ -347,7 +347,7 @@ def headline(summary: dict[str, Any], goals: list[Goal]) -> list[dict[str, str]]
     """The row for the top-level README's performance table."""
     direct_part = summary["direct"]
     low, high = direct_part["added_ci95_us"]
-    return [{"what": "time lockstep adds per training step (prepared loader, DDP hook, report() per epoch)",
+    return [{"what": "time lockstep adds per training step (prepared loader, DDP wrapper, report() per epoch)",
              "lockstep": f"{direct_part['added_us']:.1f} µs (95% CI {low:.1f} – {high:.1f})",
              "compared_with": f"step of hand-written DDP {summary['step_us']:.0f} µs",
              "ratio": f"<= {goals[0].value:.3f} % (goal <= 1 %)"}]

@@ -9,21 +9,21 @@ sent, so the windows of a rank tile its time without gaps. Inside a window:
   returned (the loader's iterator, including the copy to the device where lockstep makes it);
 * **collective**: time blocked in ``lockstep.collective`` (barrier, broadcast) and, for a model
   that ``prepare_model`` wrapped in DDP on a gloo (CPU) process group, the tail of each backward
-  pass: from the moment the last gradient bucket was handed to the all-reduce until all of the
-  step's all-reduces were done (the time backward waits for the other ranks, plus the transfer
-  itself; all-reduces that overlap with the backward computation are not counted). With NCCL the
-  all-reduce waits on the GPU, not on the host, so it shows up as compute;
+  pass: the part of the step's all-reduces that did not overlap with the backward computation
+  (the time backward waits for the other ranks, plus the last transfer), as DDP's own runtime
+  statistics sample it (:class:`AllReduceWait`). With NCCL the all-reduce waits on the GPU, not
+  on the host, so it shows up as compute;
 * **report**: time from sending report N-1 until every rank had made it (the report barrier).
   Saving a checkpoint inside ``report()`` is work, not waiting: it counts as compute;
 * **compute**: the rest.
 
 The counters are plain integers of ``time.perf_counter_ns()``: no lock and no system call per
-batch. DDP's all-reduce callbacks run on the process group's thread, but DDP waits for them
-before ``backward()`` returns, so they never race with reading the counters in ``report()``.
+batch; DDP's figures are read once per report.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -62,15 +62,18 @@ class StepClock:
         self.collective_ns = 0
         self.report_ns = 0
         self.window_start_ns = perf_counter_ns()
+        self.all_reduce_waits: list[AllReduceWait] = []
 
     def restart(self) -> None:
         """Start a fresh window now (the train function starts)."""
         self.data_ns = self.collective_ns = self.report_ns = 0
         self.window_start_ns = perf_counter_ns()
+        self.all_reduce_waits = []
 
     def close_window(self) -> StepTimes:
         """The figures of the window that ends now; the next one starts."""
         now = perf_counter_ns()
+        self.collective_ns += sum(wait.take_ns() for wait in self.all_reduce_waits)
         times = StepTimes(
             (now - self.window_start_ns) / 1e9, self.data_ns / 1e9, self.collective_ns / 1e9, self.report_ns / 1e9
         )
@@ -97,56 +100,58 @@ def timed_batches(batches: Iterator[T], clock: StepClock = CLOCK) -> Iterator[T]
         yield batch
 
 
-class AllReduceTail:
-    """The state of :func:`timed_allreduce_hook`: when the step's last bucket was launched."""
+class AllReduceWait:
+    """The gradient all-reduce's wait of one DDP model, from DDP's own runtime statistics.
 
-    def __init__(self, clock: StepClock = CLOCK) -> None:
-        self.clock = clock
-        self.mark_ns: int | None = None
+    DDP times its backward pass in C++ on the steps it samples (the first ten, then every
+    hundredth): how long the all-reduces ran, and how long of that overlapped the backward
+    computation. The rest, the tail, is the time backward waited for the other ranks (plus
+    the last transfer). A window counts the latest sampled tail once per training step it saw
+    (steps are counted by a forward pre-hook, with gradients on): an estimate that costs
+    nothing per step, where timing every step with a Python comm hook cost about 1 % of a
+    small model's step.
+
+    Args:
+        model: A DistributedDataParallel.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = weakref.ref(model)
+        self.steps = 0
+        model.register_forward_pre_hook(self.count_step)
+
+    def count_step(self, module: Any, inputs: Any) -> None:
+        """A forward pass began: a training step when gradients are on."""
+        if torch_grad_enabled():
+            self.steps += 1
+
+    def take_ns(self) -> int:
+        """The estimated wait of the steps since the last call."""
+        steps, self.steps = self.steps, 0
+        model = self.model()
+        if model is None or not steps:
+            return 0
+        figures = model._get_ddp_logging_data()
+        ran, overlapped = figures.get("backward_comm_time"), figures.get("backward_compute_comm_overlap_time")
+        if ran is None or overlapped is None:
+            return 0
+        return max(0, int(ran) - int(overlapped)) * steps
 
 
-def timed_allreduce_hook(state: AllReduceTail, bucket: Any) -> Any:
-    """A DDP communication hook: the average of the bucket over the ranks (DDP's own default),
-    timing the tail of the step's all-reduces into the collective wait."""
+def torch_grad_enabled() -> bool:
+    """Whether autograd records now (torch's own check, imported once)."""
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def with_all_reduce_timing(model: Any, clock: StepClock = CLOCK) -> Any:
+    """``model`` (a DistributedDataParallel) with its gradient all-reduce's wait counted into
+    ``clock``'s collective time, on gloo (see :class:`AllReduceWait`; on NCCL the wait is on
+    the GPU and shows as compute). The model is DDP's own, with no hook of lockstep's: a comm
+    hook of the user's registers as usual."""
     import torch.distributed as dist
 
-    if bucket.index() == 0:
-        state.mark_ns = None
-    if bucket.is_last():
-        state.mark_ns = perf_counter_ns()
-    tensor = bucket.buffer()
-    tensor.div_(dist.get_world_size())
-    future = dist.all_reduce(tensor, async_op=True).get_future()
-
-    def reduced(done: Any) -> Any:
-        if state.mark_ns is not None:
-            now = perf_counter_ns()
-            if now > state.mark_ns:
-                state.clock.collective_ns += now - state.mark_ns
-                state.mark_ns = now
-        return done.value()[0]
-
-    return future.then(reduced)
-
-
-def with_all_reduce_timing(model: Any) -> Any:
-    """``model`` (a DistributedDataParallel) timing its gradient all-reduce's wait, on gloo: a comm
-    hook is registered at the first forward, unless the user registered one of their own by then
-    (DDP takes one hook per model)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(model.process_group) != "gloo":
-        return model
-
-    def register_once(module: Any, _: Any) -> None:
-        handle.remove()
-        if not module._comm_hooks and not module._get_ddp_logging_data().get("comm_hook"):
-            module.register_comm_hook(AllReduceTail(), timed_allreduce_hook)
-
-    handle = model.register_forward_pre_hook(register_once)
+    if dist.get_backend(model.process_group) == "gloo":
+        clock.all_reduce_waits.append(AllReduceWait(model))
     return model
-
-
-# DDP compares a hook's annotations with torch's types by value; postponed (string) annotations
-# would fail that check, so the hook shows DDP none (its hints stay in the source).
-timed_allreduce_hook.__annotations__ = {}
