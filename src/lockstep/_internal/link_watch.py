@@ -6,10 +6,10 @@ host is cut, or the machine itself goes away, nothing arrives at all: no reset, 
 stream, and a rank waiting in a collective for a peer on that host waits for the process
 group's timeout (30 minutes by default). So:
 
-- every channel socket has TCP keepalive and a user timeout (:func:`watch_link`): the kernel
-  gives the connection up after :data:`LINK_TIMEOUT_S` without an answer from the other end,
-  whether the connection was idle or had data in flight. A busy or stopped *process* keeps
-  answering (its kernel does), so only a lost host or a cut network trips it;
+- every channel socket has TCP keepalive, and the driver's end a user timeout too
+  (:func:`watch_link`): the kernel gives the connection up after :data:`LINK_TIMEOUT_S` without
+  an answer from the other end. A busy or stopped *process* keeps answering (its kernel does),
+  so only a lost host or a cut network trips it;
 - the driver then fails the rank as lost, naming its host (:func:`lost_link_cause`);
 - a rank whose channel to the driver is lost while its train function is stuck (typically in
   a collective waiting for a rank on the lost host) ends its own process after
@@ -44,14 +44,23 @@ _KEEPALIVE_PROBES = 3
 _LOST_ERRNOS = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 
 
-def watch_link(sock: socket.socket) -> None:
+def watch_link(sock: socket.socket, sends_little: bool) -> None:
     """Make the kernel give ``sock``'s connection up after :data:`LINK_TIMEOUT_S` without an
-    answer from the other end (keepalive probes when idle, the user timeout when data waits
-    for an acknowledgement). Options this platform lacks are skipped."""
+    answer from the other end: keepalive probes while it is idle, and, with ``sends_little``,
+    the user timeout while data waits for an acknowledgement. Options this platform lacks are
+    skipped.
+
+    The user timeout also ends a connection whose receiver has not read for that long (a
+    window closed that long), so only the driver's end has it: the driver sends ranks a few
+    small answers that they always read, while a rank may stream output to a driver that
+    stops reading for a while (its console piped into a pager, Ctrl-Z), which must only slow
+    the rank down."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     probe_every = max(1, int(LINK_TIMEOUT_S / (_KEEPALIVE_PROBES + 1)))
-    for name, value in (("TCP_KEEPIDLE", probe_every), ("TCP_KEEPINTVL", probe_every),
-                        ("TCP_KEEPCNT", _KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", int(LINK_TIMEOUT_S * 1000))):
+    options = [("TCP_KEEPIDLE", probe_every), ("TCP_KEEPINTVL", probe_every), ("TCP_KEEPCNT", _KEEPALIVE_PROBES)]
+    if sends_little:
+        options.append(("TCP_USER_TIMEOUT", int(LINK_TIMEOUT_S * 1000)))
+    for name, value in options:
         option = getattr(socket, name, None)
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)

@@ -295,7 +295,7 @@ class DriverListener:
         """
         client, _ = self._socket.accept()
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        watch_link(client)
+        watch_link(client, sends_little=True)
         _set_receive_timeout(client, HANDSHAKE_TIMEOUT_S)
         connection = Connection(client.detach())
         try:
@@ -355,7 +355,7 @@ def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Wo
     authkey = bytes.fromhex(env[ENV_AUTHKEY])
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    watch_link(sock)
+    watch_link(sock, sends_little=False)
     connection = Connection(sock.detach())
     answer_challenge(connection, authkey)
     deliver_challenge(connection, authkey)
