@@ -161,6 +161,28 @@ def test_a_killed_warm_process_means_plain_starts_said_once(tmp_path: Path) -> N
     assert completed.stderr.count("warm worker process can't be used") == 1, completed.stderr
 
 
+@pytest.mark.timeout(180)
+def test_a_ray_fit_stops_the_unused_warm_process_and_a_later_local_fit_brings_it_back(tmp_path: Path) -> None:
+    completed = run_driver(tmp_path, FIT_PPIDS + """
+    import ray
+    warm = warm_start.warm_process_pid()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    TorchTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(storage_path=sys.argv[1], name="on_ray")).fit()
+    after_ray = warm_start.warm_process_pid()
+    ray.shutdown()
+    local_ppid = fit("local")
+    back = warm_start.warm_process_pid()
+    print("RESULT", json.dumps({"warm": warm, "after_ray": after_ray, "local": local_ppid, "back": back,
+                                "warm_alive": os.path.exists(f"/proc/{warm}"), "driver": os.getpid()}))
+    """, 170, RAY_AUTH_MODE="disabled")
+    result = result_of(completed)
+    assert result["warm"] is not None and result["after_ray"] is None, "a Ray fit stops the unused warm process"
+    assert not result["warm_alive"]
+    assert result["local"] == result["driver"], "the next local fit starts its workers itself"
+    assert result["back"] not in (None, result["warm"]), "and a new warm process waits for the fits after it"
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_driver_takes_the_warm_process_and_workers_with_it(tmp_path: Path) -> None:
     script = SCRIPTS / "report_then_train_forever.py"

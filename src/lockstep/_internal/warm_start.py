@@ -113,6 +113,7 @@ class WarmProcess:
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
         self._prepared = False
+        self.used = False
 
     def alive(self) -> bool:
         """Whether the process still runs and belongs to this process (not to a fork of it)."""
@@ -132,6 +133,7 @@ class WarmProcess:
         reply, fds = self._request(request, [stdout, stderr, payload_fd], FORK_TIMEOUT_S)
         if len(fds) != 1:
             raise WarmStartUnavailable(f"the warm process sent {len(fds)} handles for a new rank, not 1")
+        self.used = True
         return int(reply["pid"]), fds[0]
 
     def exit_code(self, pid: int) -> int | None:
@@ -219,6 +221,7 @@ class ForkedRank:
 
 _warm: WarmProcess | None = None
 _fallback_logged = False
+_released = False
 
 
 def start_in_background() -> None:
@@ -251,10 +254,26 @@ def shutdown() -> None:
     _warm = None
 
 
+def release_unused(why: str) -> None:
+    """Stop the warm process if no ``fit()`` has used it yet: this driver's runs go elsewhere
+    (``why``: Ray), and an idle warm process holds hundreds of MiB. A later local ``fit()``
+    then starts its workers the plain way and a warm process again for the fits after it."""
+    global _released
+    if _warm is not None and _warm.owner == os.getpid() and not _warm.used:
+        logger.debug("stopping the unused warm process: %s", why)
+        shutdown()
+        _released = True
+
+
 def rank_starter(payload: bytes, plain: StartRank) -> StartRank:
     """How this ``fit()`` starts a rank: ``start(env, payload_fd, piped)``. Forked by the warm
     process when there is one (first told what to import), else (or once it fails) ``plain``."""
+    global _released
     warm = _warm
+    if warm is None and _released and enabled():
+        _released = False
+        start_in_background()  # for the next fit: a local one came after all
+        return plain
     if warm is None or warm.owner != os.getpid():
         return plain
     if not enabled():  # turned off after the import

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from lockstep._internal import warm_start
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec
 from lockstep._internal.rank_env import launched_by_launcher
 from lockstep.config import ScalingConfig
@@ -46,6 +47,7 @@ def choose_executor(
         from lockstep._internal.executors import ray as ray_executor
 
         ray_executor.connect(scaling.ray_address)
+        warm_start.release_unused("this fit runs on Ray")
         if ray_datasets and scaling.executor == "auto" and scaling.ray_address is None:
             logger.info("datasets %s are Ray Datasets: running on Ray (%s).", sorted(ray_datasets), _ray_instance())
         return ray_executor.RayExecutor(scaling, spec, ray_datasets, should_split)
