@@ -214,16 +214,16 @@ def check_world_size(launch: Launch, scaling: ScalingConfig) -> None:
 
 
 class ControllerThread(threading.Thread):
-    """Drives the run on rank 0, beside its train function. When the run has ended and rank 0's
-    train function does not end within ``STUCK_GRACE_S`` (it waits in a collective for a rank
-    on a lost host: nothing can interrupt it), the thread reports the run's end with ``announce``
-    and ends the process, saying why.
+    """Drives the run on rank 0, beside its train function. With ``announce`` (under torchrun):
+    when the run has ended and rank 0's train function does not end within ``STUCK_GRACE_S``
+    (it waits in a collective for a rank on a lost host: nothing can interrupt it), the thread
+    reports the run's end with ``announce`` and ends the process, saying why.
 
     Attributes:
         rank_done: Set by the main thread once rank 0's train function has ended.
     """
 
-    def __init__(self, drive: Callable[[], Result], announce: Callable[[BaseException | None], None]) -> None:
+    def __init__(self, drive: Callable[[], Result], announce: Callable[[BaseException | None], None] | None = None) -> None:
         super().__init__(daemon=True, name="lockstep-controller")
         self.drive = drive
         self.announce = announce
@@ -236,16 +236,16 @@ class ControllerThread(threading.Thread):
             self.result = self.drive()
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
             self.error = error
-        if not self.rank_done.wait(STUCK_GRACE_S):
-            self._end_stuck_rank()
+        if self.announce is not None and not self.rank_done.wait(STUCK_GRACE_S):
+            self._end_stuck_rank(self.announce)
 
-    def _end_stuck_rank(self) -> None:
+    def _end_stuck_rank(self, announce: Callable[[BaseException | None], None]) -> None:
         logger.error("The run has ended (%s), but rank 0's train function has not returned %g s later (it is most "
                      "likely waiting in a collective for a rank that is gone). This process exits now (code %d).",
                      "succeeded" if self.error is None else f"{type(self.error).__name__}: {self.error}",
                      STUCK_GRACE_S, LOST_EXIT_CODE)
         try:
-            self.announce(self.error)
+            announce(self.error)
         finally:
             for handler in logging.getLogger().handlers:
                 handler.flush()

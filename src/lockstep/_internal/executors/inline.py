@@ -82,8 +82,7 @@ class InlineExecutor(Executor):
         except BaseException:
             group.stop()
             raise
-        thread = ControllerThread(lambda: driver.drive(controller), lambda error: None)
-        thread.rank_done.set()  # no process group here: no lost host can leave the train function stuck
+        thread = ControllerThread(lambda: driver.drive(controller))  # no process group: nothing can get stuck
         thread.start()
         interrupted = self._run_rank(job, group, controller.preemption)
         thread.join()
