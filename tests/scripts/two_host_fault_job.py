@@ -52,20 +52,11 @@ def train_func(config: dict) -> None:
         time.sleep(STEP_PACE_S)
 
 
-def wait_for_nodes(count: int, timeout_s: float = 120) -> None:
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while sum(node["Alive"] for node in ray.nodes()) < count:
-        if time.monotonic() > deadline:
-            sys.exit(f"the Ray cluster did not reach {count} nodes within {timeout_s} s")
-        time.sleep(0.2)
-
-
 def scaling(args: argparse.Namespace) -> ScalingConfig:
     if args.ray is None:
         return ScalingConfig(num_workers=2)
     import ray
+    from two_host_ray_job import wait_for_nodes  # beside this script
 
     ray.init(address=args.ray, log_to_driver=False)
     wait_for_nodes(2)
