@@ -35,6 +35,7 @@ from lockstep.context import (
 )
 from lockstep.errors import (
     ControllerError,
+    HangUp,
     NCCLHangError,
     PreemptionError,
     SessionNotActiveError,
@@ -50,6 +51,16 @@ __version__ = "0.1.0"
 
 #: The key of the training dataset in ``datasets=`` (Ray Train's constant).
 TRAIN_DATASET_KEY = "train"
+
+def release_kept_actors() -> None:
+    """Release now the Ray actors (and placement group) that lockstep keeps, idle, between the
+    fits of this driver for the next ``fit()`` of the same shape; they are otherwise released
+    after 5 minutes unused, at exit, or when a fit asks for another shape. Nothing happens
+    when none are kept."""
+    from lockstep._internal.executors.ray_pool import release_kept_actors as release
+
+    release()
+
 
 #: Names imported on first use: name -> the module that defines it.
 _LAZY_NAMES = {
@@ -70,6 +81,7 @@ __all__ = [
     "ControllerError",
     "DataConfig",
     "FailureConfig",
+    "HangUp",
     "LoggingConfig",
     "NCCLHangError",
     "PreemptionError",
@@ -92,6 +104,7 @@ __all__ = [
     "get_context",
     "get_dataset_shard",
     "get_preemption_info",
+    "release_kept_actors",
     "report",
     "session",
 ]

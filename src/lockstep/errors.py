@@ -185,6 +185,12 @@ def _as_failure(rank: int, item: WorkerFailure | BaseException) -> WorkerFailure
     return WorkerFailure(rank, type(item).__name__, str(item), text)
 
 
+class HangUp(BaseException):
+    """The run ended because a process got SIGHUP (its terminal closed, or torchrun passed its
+    own on): the run is recorded as ``interrupted``. A BaseException, as KeyboardInterrupt, so
+    that ``except Exception`` in a train function does not swallow it."""
+
+
 class NCCLHangError(WorkerGroupError):
     """A hung NCCL collective, as Ray Train names it. lockstep does not raise it today: a rank
     stuck in a collective shows up as a :class:`WorkerGroupError` whose failure is a

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lockstep._internal import protocol
-from lockstep.errors import PreemptionError
+from lockstep.errors import HangUp, PreemptionError
 from lockstep.preemption import PreemptionInfo
 
 logger = logging.getLogger(__name__)
@@ -44,10 +44,6 @@ logger = logging.getLogger(__name__)
 class PreemptionStop(BaseException):
     """Ends what runs at once because the run stops preempted (a BaseException, as
     KeyboardInterrupt, so that a train function's ``except Exception`` doesn't swallow it)."""
-
-
-class HangUp(BaseException):
-    """The driver got SIGHUP (its terminal closed): the run ends as interrupted."""
 
 
 class Preemption:
