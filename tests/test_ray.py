@@ -401,6 +401,128 @@ def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluste
     assert result.num_failures == 0
 
 
+# -- node drains (preemption notices) ------------------------------------------------------------
+
+
+def train_until_preempted(config: dict[str, Any]) -> None:
+    """A step every 0.2 s, reported with what get_preemption_info() returns; a checkpoint at steps
+    2 and 5, at the last step, and right after a preemption notice is seen (so that some report
+    sees the notice before the run stops at a checkpoint); rank 1 writes where it runs and its
+    last step to config["progress"]."""
+    context = lockstep.get_context()
+    start = lockstep.get_checkpoint()
+    first = int(Path(start.path, "step").read_text()) + 1 if start else 0
+    progress = Path(config["progress"])
+    for step in range(first, config["steps"]):
+        time.sleep(0.2)
+        info = lockstep.get_preemption_info()
+        metrics = {"step": step, "first": first, "preempted": info and info.preempted_node_to_ranks,
+                   "deadline_ms": info and info.deadline_ms}
+        if step in (2, 5, config["steps"] - 1) or info is not None:
+            with tempfile.TemporaryDirectory() as folder:
+                Path(folder, "step").write_text(str(step))
+                lockstep.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+        else:
+            lockstep.report(metrics)
+        if context.get_world_rank() == 1:
+            where = {"step": step, "label": os.environ["LOCKSTEP_TEST_NODE"], "node_id": ray.get_runtime_context().get_node_id()}
+            progress.with_suffix(".tmp").write_text(json.dumps(where))
+            progress.with_suffix(".tmp").replace(progress)
+
+
+def drain(cluster: Any, node_id: str, deadline_s: int = 60) -> None:
+    """Ask Ray to drain a node as a preemption does (what ``ray drain-node`` asks)."""
+    from ray.core.generated import autoscaler_pb2
+
+    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "the test preempts it",
+        int(time.time() * 1000) + deadline_s * 1000)
+    assert accepted, why
+
+
+def replace_drained_node(cluster: Any, label: str) -> None:
+    """A drained node leaves once nothing runs there: wait for that (30 s at most), take it out and
+    add a fresh node of that label (the preempted machine is replaced)."""
+    node_id = cluster.test_nodes[label].node_id
+    deadline = time.monotonic() + 30
+    while any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    remove_test_node(cluster, label, lost=True)
+    add_test_node(cluster, label)
+
+
+def rank_1_progress(path: Path, after_step: int, driver: threading.Thread, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Wait until rank 1 has reported a step after ``after_step``; where it runs."""
+    deadline = time.monotonic() + 120
+    while True:
+        where = json.loads(path.read_text()) if path.exists() else {"step": -1}
+        if where["step"] > after_step:
+            return where
+        assert driver.is_alive() and time.monotonic() < deadline, f"rank 1 did not go past step {after_step}: {outcome}"
+        time.sleep(0.05)
+
+
+@ray_test
+@pytest.mark.timeout(240)
+def test_a_drained_node_is_a_preemption_notice_for_its_ranks(cluster_restored: Any, storage_path: str,
+                                                              tmp_path: Path) -> None:
+    cluster = cluster_restored
+    with untagged():  # a node the group can't use (1 CPU), kept busy so that it stays draining
+        cluster.test_nodes["2"] = cluster.add_node(num_cpus=1, env_vars={"LOCKSTEP_TEST_NODE": "2"})
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    holder = ray.remote(num_cpus=1)(threading.Event).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.test_nodes["2"].node_id, soft=False)).remote()
+    ray.get(holder.is_set.remote())
+    progress = tmp_path / "progress.json"
+
+    def trainer(steps: int) -> TorchTrainer:
+        return TorchTrainer(train_until_preempted, train_loop_config={"steps": steps, "progress": str(progress)},
+                            scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD",
+                                                         resources_per_worker={"CPU": NODE_CPUS}),
+                            run_config=RunConfig(name="drained", storage_path=storage_path,
+                                                 failure_config=FailureConfig(preemption_grace_s=60)))
+
+    driver, outcome = fit_in_background(trainer(steps=500))
+    drained_label = None
+    try:
+        where = rank_1_progress(progress, 5, driver, outcome)  # past the regular checkpoints
+        drain(cluster, cluster.test_nodes["2"].node_id)  # a node without ranks of the group: nothing happens
+        assert cluster.test_nodes["2"].node_id in ray._private.state.state.get_draining_nodes()
+        before = rank_1_progress(progress, where["step"] + 10, driver, outcome)["step"]  # 2 s at least: 2 polls
+        drained_label = where["label"]
+        drain(cluster, where["node_id"])
+        driver.join(120)
+        assert not driver.is_alive()
+    finally:
+        ray.kill(holder)
+        if drained_label is not None:
+            driver.join(120)
+            replace_drained_node(cluster, drained_label)
+    error = outcome.get("error")
+    assert isinstance(error, lockstep.PreemptionError), outcome
+    assert error.preemption_info.preempted_ranks == [1] and not error.drain_timed_out
+    assert POOL.kept is None, "a preempted fit keeps no actors"
+
+    run = Path(storage_path, "drained")
+    record = json.loads((run / "lockstep_run.json").read_text())
+    assert record["status"] == "preempted" and record.get("num_failures", 0) == 0
+    rows = [json.loads(line)["metrics"] for line in (run / "reports.jsonl").read_text().splitlines()]
+    assert all(row["preempted"] is None for row in rows if row["step"] <= before), "an unused node's drain was a notice"
+    noticed = [row for row in rows if row["preempted"]]
+    assert noticed, "the ranks never saw the notice in report()"
+    assert list(noticed[0]["preempted"].values()) == [[1]], noticed[0]
+    assert noticed[0]["deadline_ms"] > time.time() * 1000
+    stopped_at = int((run / record["latest_checkpoint"] / "step").read_text())
+    assert stopped_at == rows[-1]["step"] == noticed[0]["step"], "it stopped at the checkpoint made on the notice"
+
+    result = trainer(steps=stopped_at + 4).fit()
+    assert result.num_failures == 0
+    assert [row["step"] for row in result.metrics_history][-3:] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
+    assert result.metrics["first"] == stopped_at + 1
+    assert Path(result.checkpoint.path, "step").read_text() == str(stopped_at + 3)
+
+
 # -- actors kept between fits -------------------------------------------------------------------
 
 #: Module globals of an imported module persist in a kept actor (as documented); the tests

@@ -88,9 +88,10 @@ RAY_TRAIN: dict[str, NameStatus] = {
     "ValidationTaskConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
     "PreemptionError": _provided("lockstep.PreemptionError", "a SIGTERM to the driver or to a rank is the notice; "
                                  "the run stops after its next committed checkpoint and fit() raises this; "
-                                 "run the command again to continue (not counted as a failure). Ray node "
-                                 "drains are not watched"),
-    "PreemptionInfo": _provided("lockstep.PreemptionInfo", "node ids are hostnames"),
+                                 "run the command again to continue (not counted as a failure). A Ray node "
+                                 "drain is the notice for the ranks on that node"),
+    "PreemptionInfo": _provided("lockstep.PreemptionInfo", "node ids are hostnames (for a Ray node drain, the "
+                                "node's IP)"),
     "get_preemption_info": _provided("lockstep.get_preemption_info", "no extra barrier: every rank learns the "
                                      "notice at the same report()"),
 }

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from lockstep._internal import protocol
 from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
+from lockstep._internal.executors.ray_drain import DrainWatcher
 from lockstep._internal.python_path import user_python_path
 from lockstep._internal.executors.ray_placement import (
     RankPlace, assign_ranks, check_request, cluster_capacity, rank_env, reserve, worker_bundle,
@@ -167,6 +168,7 @@ class RayWorkerGroup(ChannelGroup):
         self._ended: queue.SimpleQueue[WorkerExited] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._watcher: threading.Thread | None = None
+        self._drains: DrainWatcher | None = None
         self._parked = parked
         self._left_cleanly: set[int] = set()
         self._exits: dict[int, WorkerExited] = {}
@@ -184,6 +186,7 @@ class RayWorkerGroup(ChannelGroup):
         else:
             self._start_actors()
         self._run_all(ray.put(self.payload))
+        self._drains = DrainWatcher(self._places, self._wake)
 
     def _start_actors(self) -> None:
         import ray
@@ -238,16 +241,23 @@ class RayWorkerGroup(ChannelGroup):
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
                 self._ended.put(_exit_of(pending.pop(ref), ref))
-                try:
-                    os.write(self._wake_write, b"!")
-                except OSError:
+                if not self._wake():
                     return
+
+    def _wake(self) -> bool:
+        """Make the controller's wait return (from another thread); False once the pipe is closed."""
+        try:
+            os.write(self._wake_write, b"!")
+        except OSError:
+            return False
+        return True
 
     # -- events --------------------------------------------------------------------------------
 
     def wait_events(self, timeout: float | None) -> list[Any]:
-        """Wait on the workers' channels and on Ray's news of ended actors together."""
+        """Wait on the workers' channels and on Ray's news of ended actors and drained nodes together."""
         events, woken = self._wait([self._wake_read], timeout)
+        events += self._drains.take() if self._drains is not None else []
         ended: list[WorkerExited] = []
         if woken:
             os.read(self._wake_read, 4096)
@@ -284,6 +294,8 @@ class RayWorkerGroup(ChannelGroup):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self._drains is not None:
+            self._drains.stop()
         if self._parked is not None and self._placement_group is not None and self._ended_cleanly():
             self._parked.append(KeptGroup(shape_of(self.spec), self._actors, self._places, self._placement_group))
             self._placement_group = None  # parked: neither killed nor removed here
