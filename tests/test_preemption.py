@@ -266,3 +266,19 @@ def test_an_exception_in_a_callback_ends_the_run_with_a_final_status(tmp_path: P
     record = job.record()
     assert record["status"] == "failed" and "SystemExit: the callback exits on purpose" in record["error"]["message"]
     assert_nothing_left()
+
+
+def test_a_drain_deadline_sooner_than_the_grace_shortens_it_and_the_error_names_the_cause() -> None:
+    from lockstep._internal.preemption import Preemption
+
+    soon = Preemption(grace_s=25.0)
+    soon.notice("10.0.0.2", [1], cause="a Ray node drain", deadline_ms=int((time.time() + 5) * 1000))
+    left = soon.time_left()
+    assert left is not None and 3.0 < left <= 5.0, "Ray's deadline, 5 s away, comes before the 25 s grace"
+    assert "a Ray node drain for rank(s) [1] on 10.0.0.2" in str(soon.error(None))
+    late = Preemption(grace_s=25.0)
+    late.notice("10.0.0.2", [1], cause="a Ray node drain", deadline_ms=int((time.time() + 600) * 1000))
+    assert 20.0 < (late.time_left() or 0.0) <= 25.0, "a later deadline leaves the grace as it is"
+    signal_notice = Preemption(grace_s=25.0)
+    signal_notice.notice("host", [0])
+    assert "SIGTERM for rank(s) [0]" in str(signal_notice.error(None))

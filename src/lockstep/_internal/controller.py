@@ -275,7 +275,7 @@ class Controller:
             else:
                 attempt.liveness.fail([event.failure])
         elif isinstance(event, protocol.PreemptionNotice):
-            self.preemption.notice(event.host, [event.rank], event.urgent)
+            self.preemption.notice(event.host, [event.rank], event.urgent, event.cause, event.deadline_ms)
         elif isinstance(event, WorkerExited):
             attempt.liveness.exit(event, group.output_tail)
             self.listeners.on_workers_changed(attempt.liveness.alive)

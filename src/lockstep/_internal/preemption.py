@@ -63,19 +63,26 @@ class Preemption:
         self.urgent = False
         self.finishing = False
         self.hung_up: str | None = None
+        self.cause = "SIGTERM"
 
     @property
     def noticed(self) -> bool:
         """Whether a notice came."""
         return self.deadline is not None
 
-    def notice(self, host: str, ranks: list[int], urgent: bool = False) -> None:
-        """``ranks`` on ``host`` got a notice (``urgent``: a second one, stop at once)."""
+    def notice(self, host: str, ranks: list[int], urgent: bool = False, cause: str = "SIGTERM",
+               deadline_ms: int | None = None) -> None:
+        """``ranks`` on ``host`` got a notice (``urgent``: a second one, stop at once) for
+        ``cause``; a ``deadline_ms`` (epoch ms) sooner than the grace shortens it."""
         if self.deadline is None:
-            self.deadline = time.monotonic() + self.grace_s
-            self.deadline_ms = int((time.time() + self.grace_s) * 1000)
-            logger.warning("Preemption notice (SIGTERM) for rank(s) %s on %s: training goes on until the next "
-                           "checkpoint is committed, %.0f s at most, then the run stops.", ranks, host, self.grace_s)
+            grace_s = self.grace_s
+            if deadline_ms:
+                grace_s = max(0.0, min(grace_s, deadline_ms / 1000 - time.time()))
+            self.deadline = time.monotonic() + grace_s
+            self.deadline_ms = int((time.time() + grace_s) * 1000)
+            self.cause = cause
+            logger.warning("Preemption notice (%s) for rank(s) %s on %s: training goes on until the next "
+                           "checkpoint is committed, %.0f s at most, then the run stops.", cause, ranks, host, grace_s)
         self.node_to_ranks.setdefault(host, set()).update(ranks)
         if urgent and not self.urgent:
             logger.warning("A second SIGTERM: the run stops now (preempted).")
@@ -127,7 +134,7 @@ class Preemption:
         else:
             how = "stopped before another checkpoint was committed (" + self._why_early() + ")"
         return PreemptionError(
-            f"The run was preempted: SIGTERM for rank(s) {info.preempted_ranks} on {', '.join(info.preempted_node_ids)}; "
+            f"The run was preempted: {self.cause} for rank(s) {info.preempted_ranks} on {', '.join(info.preempted_node_ids)}; "
             f"it {how}. Its latest checkpoint is {latest_checkpoint or 'none'}: run the same command again to "
             "continue from it (a preemption is not counted as a failure).",
             info, drain_timed_out=not self.checkpoint_committed,

@@ -125,12 +125,15 @@ class Output:
 
 @dataclass(frozen=True)
 class PreemptionNotice:
-    """A rank's process got SIGTERM on ``host`` (``urgent``: a second one, stop at once). Sent
-    from a thread the rank's signal handler starts, at any time."""
+    """A rank on ``host`` is being taken away: its process got SIGTERM (sent from a thread the
+    rank's signal handler starts, at any time; ``urgent``: a second one, stop at once), or
+    another ``cause`` (a Ray node drain, with Ray's deadline ``deadline_ms`` when it has one)."""
 
     rank: int
     host: str
     urgent: bool = False
+    cause: str = "SIGTERM"
+    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,19 @@ class DrainWatcher:
             host, ranks = self._nodes[node_id]
             logger.warning("Ray is draining node %s (%s), where rank(s) %s run (Ray's deadline: %s).",
                            node_id[:8], host, ranks, _deadline_text(drained[node_id]))
+            deadline_ms = _deadline_ms(drained[node_id])
             for rank in ranks:
-                self._notices.put(protocol.PreemptionNotice(rank, host))
+                self._notices.put(protocol.PreemptionNotice(rank, host, cause="a Ray node drain", deadline_ms=deadline_ms))
         return bool(fresh)
+
+
+def _deadline_ms(deadline_ms: Any) -> int | None:
+    """Ray's drain deadline in epoch milliseconds, or None when it has none."""
+    try:
+        deadline = int(deadline_ms)
+    except (TypeError, ValueError):
+        return None
+    return deadline if deadline > 0 else None
 
 
 def _deadline_text(deadline_ms: Any) -> str:
