@@ -31,6 +31,7 @@ bench: install
 	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --repeats 2 --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
+	$(PY) benchmarks/timeline.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
 
 # make bench-quick: a few minutes; checks that every script works (results marked quick, which
@@ -42,6 +43,7 @@ bench-quick: install
 	$(PY) benchmarks/ray_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)
+	$(PY) benchmarks/timeline.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
 
 clean:

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KINDS = {
     "jobs": "bench_jobs.py",
+    "timeline": "timeline.py",
     "checkpoint": "checkpoint_bench.py",
     "ray": "ray_bench.py",
     "step": "step_bench.py",

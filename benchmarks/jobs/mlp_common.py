@@ -3,6 +3,9 @@ that both launchers run exactly the same training code."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from typing import Any
 
 import torch
@@ -10,6 +13,17 @@ from torch import nn
 from torch.utils.data import Subset
 from torchvision import datasets
 from torchvision.transforms import ToTensor
+
+
+STAMPS = os.environ.get("LOCKSTEP_BENCH_STAMPS") == "1"
+
+
+def stamp(what: str) -> None:
+    """With ``LOCKSTEP_BENCH_STAMPS=1`` (benchmarks/timeline.py): say when this process reached
+    ``what`` (a line ``STAMP <epoch seconds> <pid> <what>`` on stderr); else nothing."""
+    if STAMPS:
+        sys.stderr.write(f"STAMP {time.time():.4f} {os.getpid()} {what}\n")
+        sys.stderr.flush()
 
 
 class NeuralNetwork(nn.Module):

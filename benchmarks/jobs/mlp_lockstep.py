@@ -30,7 +30,7 @@ else:
     from lockstep.torch import TorchTrainer, prepare_data_loader, prepare_model
 
 
-from mlp_common import NeuralNetwork, load_data, train_epoch, validate_epoch  # noqa: E402
+from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # noqa: E402
 
 
 # -- lockstep / Ray Train ----------------------------------------------------------------------
@@ -38,6 +38,7 @@ from mlp_common import NeuralNetwork, load_data, train_epoch, validate_epoch  # 
 
 def train_func(config: dict[str, Any]) -> dict[str, Any]:
     """Runs on every worker."""
+    stamp("train function starts")
     world_size = get_context().get_world_size()
     torch.manual_seed(0)
     training, test = load_data(config["data_dir"], config["limit"])
@@ -49,8 +50,11 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
     loss = float("nan")
     for _ in range(config["epochs"]):
+        stamp("training starts")
         train_epoch(train_loader, model, loss_fn, optimizer, world_size)
+        stamp("training ends")
         loss = validate_epoch(test_loader, model, loss_fn, world_size)
+        stamp("validation ends")
         report({"loss": loss})
     return {"loss": loss}
 
@@ -68,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
+    stamp("imports done")
     args = parse_args()
     started = time.perf_counter()
     if args.ray:
@@ -86,7 +91,9 @@ def main() -> None:
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
         run_config=RunConfig(storage_path=args.storage_path),
     )
+    stamp("fit starts")
     result = trainer.fit()
+    stamp("fit returns")
     print(f"Last result: {result.metrics}; fit {time.perf_counter() - started:.2f} s")
 
 

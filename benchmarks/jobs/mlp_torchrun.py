@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from mlp_common import NeuralNetwork, load_data, train_epoch, validate_epoch  # noqa: E402
+from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # noqa: E402
 
 
 # -- hand-written DDP --------------------------------------------------------------------------
@@ -31,8 +31,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training images")
     args = parser.parse_args()
+    stamp("imports done")
     started = time.perf_counter()
     dist.init_process_group("gloo")
+    stamp("process group ready")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     training, test = load_data(args.data_dir, args.limit)
@@ -47,9 +49,13 @@ def main() -> None:
     loss = float("nan")
     for epoch in range(args.epochs):
         train_loader.sampler.set_epoch(epoch)
+        stamp("training starts")
         train_epoch(train_loader, model, loss_fn, optimizer, world_size)
+        stamp("training ends")
         loss = validate_epoch(test_loader, model, loss_fn, world_size)
+        stamp("validation ends")
     dist.destroy_process_group()
+    stamp("work done")
     if rank == 0:
         print(f"Last result: {{'loss': {loss}}}; main {time.perf_counter() - started:.2f} s")
 

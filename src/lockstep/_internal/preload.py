@@ -8,6 +8,7 @@ import os
 import re
 import struct
 import sys
+from types import ModuleType
 
 #: How much of the payload is searched for module names (its pickle comes first).
 SCANNED_PAYLOAD_BYTES = 16 << 20
@@ -16,23 +17,43 @@ NEVER_PRELOADED = frozenset({"ray", "pytest", "_pytest", "IPython", "ipykernel",
 
 
 def preload_modules(payload: bytes) -> list[str]:
-    """The installed modules (under this Python's prefixes) the driver has imported and the
-    job's pickle names, in import order. The user's own modules are left to the workers, so
-    an edited file is read afresh at every ``fit()``."""
+    """The installed modules (under this Python's prefixes) the driver has imported that the
+    job needs, in import order: those its pickle names, and those that the user's own modules it
+    names import (a train function calling ``mlp_common.load_data`` needs torchvision, which
+    ``mlp_common`` imports). The user's own modules are left to the workers, so an edited file
+    is read afresh at every ``fit()``."""
     names = set(re.findall(rb"[A-Za-z_][A-Za-z0-9_.]*", _pickle_of(payload)[:SCANNED_PAYLOAD_BYTES]))
     prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
-    stdlib = sys.stdlib_module_names
+    modules = list(sys.modules.items())
+    for name, module in modules:
+        if name.encode() in names and not _installed(module, prefixes) and name != "__main__":
+            names |= _imported_by(module)
     chosen = []
-    for name, module in list(sys.modules.items()):
+    for name, module in modules:
         top = name.partition(".")[0]
-        if top in stdlib or top in NEVER_PRELOADED or name.encode() not in names or top == "lockstep":
+        if top in sys.stdlib_module_names or top in NEVER_PRELOADED or name.encode() not in names or top == "lockstep":
             continue
         if any(part.startswith("_") for part in name.split(".")) or name == "__main__":
             continue
-        origin = getattr(module, "__file__", None)
-        if origin and os.path.abspath(origin).startswith(prefixes):
+        if _installed(module, prefixes):
             chosen.append(name)
     return chosen
+
+
+def _installed(module: ModuleType, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``module`` comes from this Python's installation (not the user's own files)."""
+    origin = getattr(module, "__file__", None)
+    return bool(origin) and os.path.abspath(origin).startswith(prefixes)
+
+
+def _imported_by(module: ModuleType) -> set[bytes]:
+    """The names of the modules a (user's) module imported, or whose objects it holds."""
+    found: set[bytes] = set()
+    for value in list(vars(module).values()):
+        name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str):
+            found.add(name.encode())
+    return found
 
 
 def _pickle_of(payload: bytes) -> memoryview:
