@@ -139,7 +139,8 @@ class AllReduceWait:
 
 
 def torch_grad_enabled() -> bool:
-    """Whether autograd records now (torch's own check, imported once)."""
+    """Whether autograd records now (a forward pass without it, e.g. under ``torch.no_grad()``
+    for validation, is no training step)."""
     import torch
 
     return torch.is_grad_enabled()

@@ -6,7 +6,8 @@ through a private call, ``ray._private.state.state.get_draining_nodes()`` (node 
 ms, 0 for none), which Ray Train polls too. While a worker group is up, :class:`DrainWatcher`
 polls it about once a second from a thread; when a node that holds ranks of the group starts
 draining, it hands the controller one ``PreemptionNotice`` per rank there (the node's IP as the
-host), once per node, exactly as a SIGTERM to those ranks would. Drains of other nodes are
+host, "a Ray node drain" as the cause, and Ray's deadline, which shortens the grace when it comes
+sooner), once per node, as a SIGTERM to those ranks would. Drains of other nodes are
 ignored. If the private call is missing or fails, the watcher says so once (at debug level) and
 stops: a run never fails because of it.
 """
