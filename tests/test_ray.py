@@ -561,7 +561,10 @@ def leave_leftovers() -> None:
 
 
 def fail_after_telling_pids(config: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
     Path(config["folder"], f"pid_{os.getpid()}").write_text("")
+    dist.barrier()  # both pids written before rank 1 fails (the failure kills rank 0 at once)
     if lockstep.get_context().get_world_rank() == 1:
         raise ValueError("rank 1 fails on purpose")
     lockstep.report({"never": True})

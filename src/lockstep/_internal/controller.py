@@ -288,7 +288,7 @@ class Controller:
         group.send(hello.rank, attempt.start)
         self.listeners.on_workers_changed(liveness.alive)
         if len(liveness.connected) == liveness.world_size:
-            logger.info("%d workers ready in %.2f s.", liveness.world_size, time.monotonic() - liveness.started_at)
+            logger.debug("%d workers connected in %.2f s.", liveness.world_size, time.monotonic() - liveness.started_at)
 
     def _on_finished(self, finished: protocol.Finished, attempt: Attempt, group: WorkerGroup) -> None:
         attempt.liveness.finish(finished.rank)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -106,8 +107,11 @@ class LogLines(Callback):
 
     def __init__(self, report_level: int = logging.INFO) -> None:
         self.report_level = report_level
+        self._attempt_started = time.monotonic()
+        self._waiting_for: int | None = None
 
     def on_attempt_start(self, run: RunInfo, attempt: AttemptStart) -> None:
+        self._attempt_started, self._waiting_for = time.monotonic(), attempt.world_size
         resume_from = attempt.checkpoint.path if attempt.checkpoint else "the start"
         if attempt.reason == "restart":
             allowed = "unlimited" if attempt.max_failures < 0 else str(attempt.max_failures)
@@ -116,6 +120,12 @@ class LogLines(Callback):
         elif attempt.reason == "grow":
             log_clear_of_line(logger, logging.WARNING, "More workers fit now: restarting with %d, from %s.",
                               attempt.world_size, resume_from)
+
+    def on_workers_changed(self, run: RunInfo, alive: int) -> None:
+        if self._waiting_for is not None and alive >= self._waiting_for:
+            log_clear_of_line(logger, self.report_level, "%d workers ready in %.2f s.", alive,
+                              time.monotonic() - self._attempt_started)
+            self._waiting_for = None
 
     def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:
         log_clear_of_line(logger, self.report_level, "report #%d: %s", index, metrics_text(metrics, limit=200))
