@@ -125,16 +125,24 @@ class CheckpointUploader:
         self._context = context
         self._channel = channel
         self._jobs: queue.Queue[tuple[int, Upload, str] | None] = queue.Queue()
+        self._staged: list[tuple[int, Upload, str]] = []
         self._thread = threading.Thread(target=self._upload_loop, name="lockstep-checkpoint-upload", daemon=True)
         self._thread.start()
 
     def submit(self, index: int, checkpoint: Checkpoint, job: Upload) -> None:
-        """Queue the upload of ``checkpoint`` for report ``index``."""
+        """Stage ``checkpoint`` for report ``index``; its upload starts at :meth:`start_staged`."""
         if checkpoint.is_local:
             staged = _private_copy(checkpoint.path)
         else:
             staged = checkpoint.to_directory()
-        self._jobs.put((index, job, staged))
+        self._staged.append((index, job, staged))
+
+    def start_staged(self) -> None:
+        """Start the uploads staged so far: called once the report that staged them is
+        answered, so that the upload's copying doesn't slow that report's round trip."""
+        for item in self._staged:
+            self._jobs.put(item)
+        self._staged.clear()
 
     def _upload_loop(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -150,7 +158,8 @@ class CheckpointUploader:
             self._channel.send(message)
 
     def close(self) -> None:
-        """Wait for the queued uploads to end."""
+        """Wait for the staged and queued uploads to end."""
+        self.start_staged()
         self._jobs.put(None)
         self._thread.join()
 

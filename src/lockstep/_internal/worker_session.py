@@ -67,7 +67,11 @@ class WorkerSession:
                 message, checkpoint_dir_name=job.dir_name, checkpoint_state=state, external_path=external
             )
         self._channel.send(dataclasses.replace(message, step_times=CLOCK.close_window()))
-        done = self._answer(protocol.ReportDone)
+        try:
+            done = self._answer(protocol.ReportDone)
+        finally:
+            if self._uploader is not None:
+                self._uploader.start_staged()
         CLOCK.report_ns += time.perf_counter_ns() - CLOCK.window_start_ns
         self._next_report_index = index + 1
         if done.new_latest_checkpoint is not None:
