@@ -123,7 +123,7 @@ class LogLines(Callback):
 
     def on_workers_changed(self, run: RunInfo, alive: int) -> None:
         if self._waiting_for is not None and alive >= self._waiting_for:
-            log_clear_of_line(logger, self.report_level, "%d workers ready in %.2f s.", alive,
+            log_clear_of_line(logger, logging.INFO, "%d workers ready in %.2f s.", alive,
                               time.monotonic() - self._attempt_started)
             self._waiting_for = None
 
