@@ -235,7 +235,9 @@ def train_func():
 
 result = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
                       run_config=RunConfig(name="torchrun_local_mode", storage_path=sys.argv[1], verbose=0)).fit()
-print("RESULT", os.environ["RANK"], os.getpid(), json.dumps(result.metrics["ranks"]), flush=True)
+# one write of the whole line: both ranks share torchrun's stdout, and print() writes its pieces apart
+sys.stdout.write(f"RESULT {os.environ['RANK']} {os.getpid()} {json.dumps(result.metrics['ranks'])}\\n")
+sys.stdout.flush()
 '''
 
 
