@@ -8,11 +8,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    import subprocess
+
     from hosts import HostNetwork
 
 TEST_TAG = f"LOCKSTEP_TEST_TAG={uuid.uuid4().hex}"
@@ -69,10 +71,29 @@ def no_process_left_behind() -> None:
     """Fail a test that leaves any process it started running. Killed processes take a moment
     to disappear, so this waits for them, up to a bound."""
     yield
-    deadline = time.monotonic() + 10
+    left = tagged_processes_after(time.monotonic() + 10)
+    assert not left, f"processes left behind: {left}"
+
+
+def wait_for_first_report(reports: Path, driver: subprocess.Popen[Any], timeout_s: float = 90) -> None:
+    """Wait until the run whose ``reports.jsonl`` is ``reports`` has written a whole line,
+    while ``driver`` (the process running it) lives.
+
+    Raises:
+        AssertionError: the driver ended, or no report came within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not (reports.exists() and reports.read_text().endswith("\n")):
+        assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
+        time.sleep(0.05)
+
+
+def tagged_processes_after(deadline: float) -> list[int]:
+    """The tagged processes still running at ``deadline`` (``time.monotonic()``), or none as soon
+    as they are gone: killed processes take a moment to disappear."""
     while (left := tagged_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not left, f"processes left behind: {left}"
+    return left
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO_ROOT, tagged_processes
+from conftest import REPO_ROOT, tagged_processes_after
 from lockstep._internal.storage import CRASH_TEST_GATE
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -45,10 +45,7 @@ def run_to_the_end(args: list[str], **env: str) -> dict[str, Any]:
 def kill_and_wait_for_its_workers(driver: subprocess.Popen[str]) -> None:
     driver.send_signal(signal.SIGKILL)
     driver.communicate(timeout=30)
-    deadline = time.monotonic() + 10
-    while tagged_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tagged_processes() == [], "workers outlived their killed driver"
+    assert tagged_processes_after(time.monotonic() + 10) == [], "workers outlived their killed driver"
 
 
 def wait_until_stopped_at_the_gate(gate: Path, driver: subprocess.Popen[str]) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, tagged_processes
+from conftest import REPO_ROOT, tagged_processes_after
 from test_scripts import SCRIPTS, free_port
 
 JOB = str(SCRIPTS / "preemptible_job.py")
@@ -71,10 +71,7 @@ class Job:
 
 
 def assert_nothing_left() -> None:
-    deadline = time.monotonic() + 10
-    while tagged_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tagged_processes() == [], "processes left after the run stopped"
+    assert tagged_processes_after(time.monotonic() + 10) == [], "processes left after the run stopped"
 
 
 def checkpoint_step(run: Path, record: dict) -> int:

@@ -74,24 +74,18 @@ def test_workers_die_with_a_killed_driver_and_the_run_resumes(tmp_path: Path) ->
     import signal
     import time
 
-    from conftest import tagged_processes
+    from conftest import tagged_processes, tagged_processes_after, wait_for_first_report
 
     script, results, stop_file = str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results"), tmp_path / "stop"
     reports = tmp_path / "results" / "forever" / "reports.jsonl"
     driver = subprocess.Popen([sys.executable, script, results, str(stop_file)])
     try:
-        deadline = time.monotonic() + 90
-        while not (reports.exists() and reports.read_text().endswith("\n")):
-            assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
-            time.sleep(0.05)
+        wait_for_first_report(reports, driver)
         assert len(tagged_processes()) >= 3  # the driver and its two workers
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-    deadline = time.monotonic() + 10
-    while tagged_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tagged_processes() == [], "workers outlived their driver"
+    assert tagged_processes_after(time.monotonic() + 10) == [], "workers outlived their driver"
 
     stop_file.write_text("stop")
     completed = run_script([script, results, str(stop_file)], 100)
@@ -104,7 +98,7 @@ def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> N
     import signal
     import time
 
-    from conftest import tagged_processes
+    from conftest import tagged_processes_after
 
     run = tmp_path / "results" / "forever"
     driver = subprocess.Popen([sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")],
@@ -118,10 +112,7 @@ def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> N
     _, stderr = driver.communicate(timeout=30)
     assert driver.returncode != 0
     assert "KeyboardInterrupt" in stderr
-    deadline = interrupted_at + 5
-    while tagged_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tagged_processes() == [], "workers still running 5 s after Ctrl-C"
+    assert tagged_processes_after(interrupted_at + 5) == [], "workers still running 5 s after Ctrl-C"
     assert json.loads((run / "lockstep_run.json").read_text())["status"] == "interrupted"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from conftest import REPO_ROOT, tagged_processes
+from conftest import REPO_ROOT, tagged_processes, tagged_processes_after, wait_for_first_report
 from lockstep import RunConfig, ScalingConfig
 from lockstep._internal import warm_start
 from lockstep.torch import TorchTrainer
@@ -189,20 +189,14 @@ def test_a_killed_driver_takes_the_warm_process_and_workers_with_it(tmp_path: Pa
     reports = tmp_path / "results" / "forever" / "reports.jsonl"
     driver = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")])
     try:
-        deadline = time.monotonic() + 90
-        while not (reports.exists() and reports.read_text().endswith("\n")):
-            assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
-            time.sleep(0.05)
+        wait_for_first_report(reports, driver)
         parents = {pid: _parent(pid) for pid in tagged_processes()}
         workers = [pid for pid, parent in parents.items() if parent not in (driver.pid, os.getpid())]
         assert len(parents) >= 4 and len(workers) == 2, f"expected driver, warm process and 2 workers: {parents}"
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-    deadline = time.monotonic() + 10
-    while tagged_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tagged_processes() == [], "processes outlived their killed driver"
+    assert tagged_processes_after(time.monotonic() + 10) == [], "processes outlived their killed driver"
 
 
 def _parent(pid: int) -> int:
