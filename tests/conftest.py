@@ -1,4 +1,9 @@
-"""Shared fixtures: a results folder per test, and a check that no worker outlives its test."""
+"""Shared fixtures: a results folder per test, and a check that no worker outlives its test.
+
+With ``CI=true`` a skip is an error unless the test is marked ``gpu``: a missing package, data
+folder or ``ip netns`` must fail CI, not thin it out. GPU skips are counted apart, as
+"skipped (no GPU)", in the closing line.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +57,49 @@ RAY_VARIABLES = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")
 # so clusters started in-process, drivers started as subprocesses and `ray start` on the test
 # hosts all agree (Ray 2.60 turns tokens on for a new local Ray and writes ~/.ray/auth_token).
 os.environ["RAY_AUTH_MODE"] = "disabled"
+
+
+IN_CI = os.environ.get("CI") == "true"
+GPU_SKIPPED = "skipped (no GPU)"
+
+
+def _skip_reason(longrepr: Any) -> str:
+    """The reason of a skip report (pytest keeps it as (path, line, "Skipped: reason"))."""
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def _ci_error(where: str, longrepr: Any) -> str:
+    return (f"CI=true: {where} would be skipped ({_skip_reason(longrepr)}). In CI only tests marked 'gpu' may "
+            "skip: install what the reason names (.ci/run installs the system packages, `make install` the "
+            "Python ones) or fix the cause.")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under CI, a skipped test that is not a GPU test fails instead (see the module docstring)."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu") is None:
+        report.outcome = "failed"
+        report.longrepr = _ci_error(item.nodeid, report.longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """Under CI, a module skipped whole (``pytest.importorskip`` of a missing package) fails instead."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = _ci_error(f"every test of {collector.nodeid}", report.longrepr)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
+    """GPU tests that skip are counted as "skipped (no GPU)" in the closing line."""
+    if report.skipped and "gpu" in report.keywords and not hasattr(report, "wasxfail"):
+        return GPU_SKIPPED, "s", "SKIPPED (no GPU)"
+    return None
 
 
 @pytest.fixture(autouse=True)

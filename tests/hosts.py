@@ -7,9 +7,11 @@ so any host can be cut off with :meth:`HostNetwork.cut` and joined again with
 :meth:`HostNetwork.restore`. Every host has a default route through its interface, as a real
 machine has, so code that asks "which address do I go out on" (Ray does) gets the host's own.
 
-The namespaces share the filesystem, /etc/hosts and the hostname with the machine running the
-tests: a process asking for its address by hostname gets whatever /etc/hosts says (loopback
-here, as with Debian's ``127.0.1.1`` entry), which is the trap multi-host runs must avoid.
+The namespaces share the filesystem and the hostname with the machine running the tests. Each
+host gets an /etc/hosts of its own (``/etc/netns/<name>/hosts``, which ``ip netns exec``
+mounts over /etc/hosts) in which the hostname resolves to ``127.0.1.1``, as on a Debian machine:
+a process asking for its address by hostname gets loopback, the trap multi-host runs must avoid,
+on every machine the tests run on.
 
 Everything the network makes is named ``ls<pid><n>...`` (pid of the test session, a counter),
 and :meth:`HostNetwork.close` kills every process inside the namespaces by pid, deletes them
@@ -158,6 +160,7 @@ class HostNetwork:
         for host in self.hosts:
             _ip("netns", "add", host.name)
             self._made.append(host.name)
+            _write_trap_hosts_file(host.name)
             _ip("-n", host.name, "link", "set", "lo", "up")
             port = f"{host.name}p"
             _ip("link", "add", host.interface, "type", "veth", "peer", "name", port)
@@ -205,6 +208,7 @@ class HostNetwork:
             left = {name: pids for name, pids in ((h.name, h.pids()) for h in self.hosts if h.name in self._made)}
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
         self._made = []
         namespaces = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
         links = [line for line in _ip("-o", "link").stdout.splitlines() if self.prefix in line]
@@ -352,15 +356,16 @@ def _untagged_environ() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "LOCKSTEP_TEST_TAG"}
 
 
+NETNS_ETC = Path("/etc/netns")
+
+
+def _write_trap_hosts_file(namespace: str) -> None:
+    """The /etc/hosts that processes on ``namespace`` see: the hostname on loopback (the trap)."""
+    folder = NETNS_ETC / namespace
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{socket.gethostname()}\n::1\tlocalhost\n")
+
+
 def driver_command(host: Host, script: str, *args: str) -> list[str]:
     """The command line that runs ``script`` with this Python on ``host``."""
     return host.command([sys.executable, script, *args])
-
-
-def loopback_hostname() -> str | None:
-    """This machine's hostname when it resolves to a loopback address (the trap the two-host
-    tests must show to be avoided), else None."""
-    try:
-        return socket.gethostname() if socket.gethostbyname(socket.gethostname()).startswith("127.") else None
-    except OSError:
-        return None

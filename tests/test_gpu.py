@@ -10,7 +10,7 @@ import lockstep
 from lockstep import RunConfig, ScalingConfig
 from lockstep.torch import TorchTrainer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def nccl_and_placement() -> None:

@@ -13,12 +13,12 @@ import pytest
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal import protocol
+from lockstep._internal import channel, protocol
 from lockstep._internal.executors import choose_executor
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.external import ExternalExecutor
 from lockstep._internal.executors.local import LocalExecutor
-from lockstep._internal.rank_env import RankEnv
+from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
 from lockstep.torch import TorchTrainer
@@ -45,7 +45,7 @@ def test_a_launched_process_gets_the_external_executor(monkeypatch: pytest.Monke
 
 
 def test_a_lockstep_worker_is_not_a_launched_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {**LAUNCHER_ENV, protocol.ENV_DRIVER_ADDRESS: "127.0.0.1:1"}.items():
+    for name, value in {**LAUNCHER_ENV, ENV_DRIVER_ADDRESS: "127.0.0.1:1"}.items():
         monkeypatch.setenv(name, value)
     assert isinstance(choose_executor(ScalingConfig(num_workers=2), {}), LocalExecutor)
 
@@ -113,21 +113,25 @@ def rogue_attempts(address: str) -> list[str]:
     how each attempt ended."""
     outcomes = []
     try:
-        protocol.connect_to_driver({protocol.ENV_DRIVER_ADDRESS: address, protocol.ENV_AUTHKEY: "00" * 32})
+        channel.connect_to_driver(0, {ENV_DRIVER_ADDRESS: address, channel.ENV_AUTHKEY: "00" * 32})
         outcomes.append("wrong secret accepted")
-    except (AuthenticationError, OSError, EOFError):
+    except (AuthenticationError, OSError, EOFError):  # ChannelRefused is an OSError
         outcomes.append("refused")
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as raw:
-        raw.recv(1024)  # the driver's challenge
-        raw.sendall(b"\x00\x00\x00\x04junk")
-        reply = raw.recv(1024)
+        hello = protocol.encode(protocol.Hello(1, os.getpid()))
+        raw.sendall(len(hello).to_bytes(4, "big") + hello)
+        challenge = raw.recv(1024)  # the driver's challenge (or b"" if rank 1 has connected already)
+        reply = b""
+        if challenge:
+            raw.sendall(b"\x00\x00\x00\x04junk")
+            reply = raw.recv(1024)
         outcomes.append("refused" if reply == b"" or b"#FAILURE#" in reply else f"answered {reply!r}")
     return outcomes
 
 
 def rogue_train_func() -> None:
-    outcomes = rogue_attempts(os.environ[protocol.ENV_DRIVER_ADDRESS]) if lockstep.get_context().get_world_rank() == 0 else []
+    outcomes = rogue_attempts(os.environ[ENV_DRIVER_ADDRESS]) if lockstep.get_context().get_world_rank() == 0 else []
     lockstep.report({"outcomes": outcomes})
 
 
@@ -139,8 +143,8 @@ def test_the_driver_refuses_connections_without_the_secret_and_the_run_goes_on(s
 
 
 def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "HANDSHAKE_TIMEOUT_S", 0.2)
-    connections = WorkerConnections("127.0.0.1")
+    monkeypatch.setattr(channel, "HANDSHAKE_TIMEOUT_S", 0.2)
+    connections = WorkerConnections("127.0.0.1", 2)
     try:
         with socket.create_connection(connections.listener.address):
             assert connections.read(connections.listener) == []

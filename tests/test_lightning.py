@@ -210,6 +210,7 @@ def test_local_mode_leaves_no_process_group_behind(storage_path: str, tmp_path: 
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP needs an accelerator (torch refuses CPU)")
 def test_fsdp_on_one_gpu(storage_path: str, tmp_path: Path) -> None:
     result = TorchTrainer(

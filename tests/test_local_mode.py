@@ -295,6 +295,7 @@ def device_seen() -> list[str]:
     return [str(lockstep.torch.get_device()), str(next(prepare_model(nn.Linear(2, 2)).parameters()).device)]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_with_use_gpu_the_device_is_the_current_gpu(storage_path: str) -> None:
     result = TorchTrainer(device_seen, scaling_config=ScalingConfig(num_workers=0, use_gpu=True),

@@ -25,6 +25,7 @@ from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
 from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle
 from lockstep._internal.ray_actor import WorkerPlace
 from lockstep.torch import TorchTrainer
+from test_channel_trust import assert_rogue_refused, rogue_config, rogue_peer_train_func
 from test_launch import rogue_train_func
 
 from conftest import REPO_ROOT, untagged
@@ -179,6 +180,18 @@ def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
 def test_the_driver_refuses_connections_without_the_secret(storage_path: str) -> None:
     result = fit_on_ray(rogue_train_func, storage_path, num_workers=2, placement_strategy="SPREAD")
     assert result.metrics["outcomes"] == ["refused", "refused"]
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_a_rogue_peer_with_an_actors_credential_runs_nothing(tmp_path: Path, storage_path: str) -> None:
+    config = rogue_config(tmp_path)
+    trainer = TorchTrainer(rogue_peer_train_func, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+                           run_config=RunConfig(storage_path=storage_path))
+    result = trainer.fit()
+    assert_rogue_refused(config["out"], config["marker"])
+    assert result.return_value == "rank 0's own value" and result.metrics["broadcast"] == "rank 0"
 
 
 @ray_test

@@ -42,7 +42,8 @@ class WorkerFailure:
             a lost node), ``"ReportMismatch"`` (the rank returned from the train function while
             others waited in ``report()``), ``"ReportTimeout"`` (the rank did not reach a
             ``report()`` the others waited in within ``FailureConfig.report_timeout_s``),
-            ``"CheckpointUploadError"`` (the rank's ASYNC checkpoint upload failed).
+            ``"CheckpointUploadError"`` (the rank's ASYNC checkpoint upload failed),
+            ``"ChannelViolation"`` (the rank's channel carried a message claiming another rank).
         message: The exception's message, or how the process ended.
         traceback: The worker's formatted traceback (empty when the process died without one).
     """

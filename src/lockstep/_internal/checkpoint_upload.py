@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lockstep._internal import protocol
+from lockstep._internal.channel import WorkerChannel
 from lockstep._internal.filesystems import is_local
 from lockstep._internal.storage import CheckpointEntry, RunStorage
 from lockstep.checkpoint import Checkpoint
@@ -121,7 +122,7 @@ class CheckpointUploader:
     upload (and a ``checkpoint_upload_fn``) works on that copy.
     """
 
-    def __init__(self, context: TrainContext, channel: protocol.WorkerChannel) -> None:
+    def __init__(self, context: TrainContext, channel: WorkerChannel) -> None:
         self._context = context
         self._channel = channel
         self._jobs: queue.Queue[tuple[int, Upload, str] | None] = queue.Queue()

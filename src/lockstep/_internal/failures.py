@@ -19,6 +19,9 @@ class FailureKind(str, enum.Enum):
     """The rank did not reach a ``report()`` others wait in, within ``report_timeout_s``."""
     CHECKPOINT_UPLOAD_ERROR = "CheckpointUploadError"
     """The rank's ASYNC checkpoint upload failed."""
+    CHANNEL_VIOLATION = "ChannelViolation"
+    """The rank's channel carried a message the rank may not send (one claiming another rank,
+    or one only the driver sends); the driver closed that channel."""
 
     def __str__(self) -> str:
         return self.value

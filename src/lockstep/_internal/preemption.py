@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lockstep._internal import protocol
+from lockstep._internal.channel import WorkerChannel
 from lockstep.errors import HangUp, PreemptionError
 from lockstep.preemption import PreemptionInfo
 
@@ -211,7 +212,7 @@ class RankSignals:
 
 @contextmanager
 def rank_signals(
-    channel: protocol.WorkerChannel, rank: int, hang_up: bool = False, controller: Preemption | None = None,
+    channel: WorkerChannel, rank: int, hang_up: bool = False, controller: Preemption | None = None,
 ) -> Iterator[RankSignals]:
     """While a rank runs on this (main) thread: each SIGTERM sends a PreemptionNotice (the
     second one urgent) and the train function goes on. With ``hang_up``, the first SIGHUP
@@ -263,7 +264,7 @@ def hung_up(outcome: Any) -> bool:
     return isinstance(outcome, protocol.Failed) and outcome.failure.error_type == HangUp.__name__
 
 
-def _send_quietly(channel: protocol.WorkerChannel, message: Any) -> None:
+def _send_quietly(channel: WorkerChannel, message: Any) -> None:
     try:
         channel.send(message)
     except OSError:

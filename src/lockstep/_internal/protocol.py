@@ -1,16 +1,26 @@
 """Messages between the driver and its workers, and the authenticated socket that carries them.
 
 Every executor (local processes, Ray actors, torchrun's processes) uses this same channel: a
-worker connects back to the driver, proves it knows the run's secret, says who it is
-(``Hello``), is told where the attempt starts (``Start``), and then talks in the messages below.
-(How the train function reaches a worker is the executor's business.)
+worker connects back to the driver, says which rank it is (``Hello``), proves it holds that
+rank's credential, is told where the attempt starts (``Start``), and then talks in the messages
+below. (How the train function reaches a worker is the executor's business.)
 The driver answers each ``Report`` only when every rank has sent it, which makes ``report()``
 a barrier without any polling.
 
+Who may speak as whom (see :class:`DriverListener`):
+
+- each rank has a credential of its own, derived from the run's secret, which only the driver
+  holds; a peer proves the credential of the rank its ``Hello`` names, and the driver proves it
+  too, so a rank only ever talks to its real driver;
+- a ``Hello`` for a rank outside the group, or for a rank that has connected already, is
+  refused before any challenge;
+- a message's rank is the rank of the connection it came on: one that claims another rank, or
+  that only the driver sends, ends that rank's channel (:func:`check_sender`).
+
 Messages travel as JSON, never as pickles: reading one can build nothing but the dataclasses
-listed in ``MESSAGE_TYPES``, so a peer that got hold of the secret still can't run code on the
-other end. (Under torchrun the secret travels through torch's rendezvous store, which has no
-authentication of its own.)
+listed in ``MESSAGE_TYPES``. Two fields carry pickles that only their proven sender's peers
+unpickle: rank 0's return value (unpickled by the driver) and rank 0's broadcast object
+(forwarded by the driver, unpickled by the ranks).
 """
 
 from __future__ import annotations
@@ -18,25 +28,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import os
-import secrets
-import socket
-import struct
-import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from lockstep._internal.link_watch import watch_link
-from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.step_timing import StepTimes
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
-
-ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
-ENV_DRIVER_PID = "LOCKSTEP_DRIVER_PID"
-#: How long a connecting peer has to prove it knows the secret and say hello.
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 # -- worker -> driver ----------------------------------------------------------------------------
@@ -44,7 +41,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class Hello:
-    """First message of a worker: its rank and process id."""
+    """First message of a worker, before it proves its credential: its rank and process id."""
 
     rank: int
     pid: int
@@ -215,10 +212,13 @@ def checkpoint_ref(entry: CheckpointEntry | None) -> CheckpointEntry | None:
 
 # -- encoding ------------------------------------------------------------------------------------
 
+#: What a worker sends on its channel (anything else from a worker is refused).
+WORKER_MESSAGES = (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output,
+                   PreemptionNotice, Finished, Failed)
+
 MESSAGE_TYPES: dict[str, type] = {
     kind.__name__: kind
-    for kind in (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output,
-                 PreemptionNotice, Finished, Failed, Start, Preempted, ReportDone, CollectiveDone, ReportedCheckpoints,
+    for kind in (*WORKER_MESSAGES, Start, Preempted, ReportDone, CollectiveDone, ReportedCheckpoints,
                  WorkerFailure, CheckpointEntry, StepTimes)
 }
 TYPE_KEY = "~type"
@@ -271,102 +271,3 @@ def _rebuilt(value: Any) -> Any:
         return kind(**fields)
     except TypeError as error:
         raise ValueError(f"a malformed {kind.__name__} on lockstep's channel: {error}") from error
-
-
-# -- the channel ---------------------------------------------------------------------------------
-
-
-class DriverListener:
-    """A TCP listener on the driver that accepts workers and checks their shared secret."""
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.authkey = secrets.token_bytes(32)
-        self._socket = socket.create_server((host, 0), backlog=128)
-        self.address: tuple[str, int] = self._socket.getsockname()[:2]
-
-    def fileno(self) -> int:
-        """Readable when a worker is waiting to be accepted (for ``multiprocessing.connection.wait``)."""
-        return self._socket.fileno()
-
-    def accept(self) -> tuple[Connection, Hello]:
-        """Accept one waiting worker, authenticate it both ways and read its Hello. A peer gets
-        ``HANDSHAKE_TIMEOUT_S`` for all of that, so a silent one can't stall the driver.
-
-        Raises:
-            OSError, EOFError, multiprocessing.AuthenticationError, ValueError: the peer is not
-                one of this run's workers (wrong or missing secret, not a Hello, too slow).
-        """
-        client, _ = self._socket.accept()
-        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        watch_link(client, sends_little=True)
-        _set_receive_timeout(client, HANDSHAKE_TIMEOUT_S)
-        connection = Connection(client.detach())
-        try:
-            deliver_challenge(connection, self.authkey)
-            answer_challenge(connection, self.authkey)
-            hello = decode(connection.recv_bytes())
-            if not isinstance(hello, Hello):
-                raise ValueError(f"expected a Hello, got {type(hello).__name__}")
-        except BaseException:
-            connection.close()
-            raise
-        with socket.socket(fileno=os.dup(connection.fileno())) as view:
-            _set_receive_timeout(view, 0.0)
-        return connection, hello
-
-    def worker_env(self) -> dict[str, str]:
-        """The environment variables a worker needs to connect back."""
-        host, port = self.address
-        return {ENV_DRIVER_ADDRESS: f"{host}:{port}", ENV_AUTHKEY: self.authkey.hex(), ENV_DRIVER_PID: str(os.getpid())}
-
-    def close(self) -> None:
-        """Stop accepting workers."""
-        self._socket.close()
-
-
-class WorkerChannel:
-    """The worker's end of the channel: sends may come from two threads (the train function
-    and the checkpoint upload thread), so they take a lock; only the train function receives."""
-
-    def __init__(self, connection: Connection) -> None:
-        self._connection = connection
-        self._send_lock = threading.Lock()
-
-    def send(self, message: Any) -> None:
-        """Send one message to the driver."""
-        data = encode(message)
-        with self._send_lock:
-            self._connection.send_bytes(data)
-
-    def recv(self) -> Any:
-        """Wait for the driver's next message."""
-        return decode(self._connection.recv_bytes())
-
-    def fileno(self) -> int:
-        """The channel's socket."""
-        return self._connection.fileno()
-
-    def close(self) -> None:
-        """Close the channel: the driver reads everything sent before, then the end of stream."""
-        with self._send_lock:
-            self._connection.close()
-
-
-def connect_to_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> WorkerChannel:
-    """Open the worker's channel to the driver named in its environment."""
-    host, port = env[ENV_DRIVER_ADDRESS].rsplit(":", 1)
-    authkey = bytes.fromhex(env[ENV_AUTHKEY])
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    watch_link(sock, sends_little=False)
-    connection = Connection(sock.detach())
-    answer_challenge(connection, authkey)
-    deliver_challenge(connection, authkey)
-    return WorkerChannel(connection)
-
-
-def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make blocking reads on ``sock``'s descriptor fail after ``seconds`` (0: never). Unlike
-    ``settimeout``, this keeps the descriptor blocking, as ``Connection`` needs."""
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep._internal import protocol
+from lockstep._internal.channel import WorkerChannel, connect_to_driver
 from lockstep._internal.link_watch import DriverWatch
 from lockstep._internal.payload import deserialize_payload
-from lockstep._internal.rank_env import RankEnv
+from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.worker import run_to_outcome
 
 #: Frames of these files are the actor's plumbing, not the user's code.
@@ -81,9 +82,8 @@ class RayWorker:
         sys.path[:0] = [entry for entry in python_path if os.path.isdir(entry) and entry not in sys.path]
         self._train_thread = threading.get_ident()
         rank_env = RankEnv.from_environ(env)
-        channel = protocol.connect_to_driver(env)
-        channel.send(protocol.Hello(rank_env.world_rank, os.getpid()))
-        watch = DriverWatch(channel.fileno(), rank_env.world_rank, env[protocol.ENV_DRIVER_ADDRESS])
+        channel = connect_to_driver(rank_env.world_rank, env)
+        watch = DriverWatch(channel.fileno(), rank_env.world_rank, env[ENV_DRIVER_ADDRESS])
         with ForwardedOutput(channel, rank_env.world_rank), watch:
             outcome, exit_code = run_to_outcome(rank_env, channel, lambda: deserialize_payload(payload), datasets)
         try:
@@ -145,7 +145,7 @@ class ForwardedOutput:
     goes to the driver as :class:`~lockstep._internal.protocol.Output` messages instead of to
     Ray's log files, so the driver treats it as it treats a local worker's output."""
 
-    def __init__(self, channel: protocol.WorkerChannel, rank: int) -> None:
+    def __init__(self, channel: WorkerChannel, rank: int) -> None:
         self.channel = channel
         self.rank = rank
         self._saved: dict[int, int] = {}

@@ -51,8 +51,7 @@ def enabled() -> bool:
 
 def why_not_here() -> str | None:
     """Why this process must not start a warm process, or None when it may."""
-    from lockstep._internal.rank_env import launched_by_launcher
-    from lockstep._internal.protocol import ENV_DRIVER_ADDRESS
+    from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, launched_by_launcher
 
     if not enabled():
         return f"{ENV_WARM_START}=0"

@@ -19,11 +19,12 @@ import traceback
 import types
 from typing import TYPE_CHECKING, Any, Callable
 
-from lockstep._internal.rank_env import RankEnv
+from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 
 if TYPE_CHECKING:
     from lockstep._internal.payload import TrainJob
-    from lockstep._internal.protocol import Start, WorkerChannel
+    from lockstep._internal.channel import WorkerChannel
+    from lockstep._internal.protocol import Start
     from lockstep.checkpoint import Checkpoint
 
 ENV_PAYLOAD_FD = "LOCKSTEP_PAYLOAD_FD"
@@ -35,7 +36,7 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux), and exit now if it
     already has. The parent is the driver, or ``parent_pid`` (the warm process that forked it,
     which dies with the driver)."""
-    from lockstep._internal.protocol import ENV_DRIVER_PID
+    from lockstep._internal.channel import ENV_DRIVER_PID
 
     driver_pid = os.environ.get(ENV_DRIVER_PID)
     if driver_pid is None or not sys.platform.startswith("linux"):
@@ -64,14 +65,13 @@ def main(forked_by: int | None = None) -> None:
     from (see :mod:`lockstep._internal.zygote`), None when the driver started it."""
     die_with_parent(forked_by)
     answer_stack_requests()
-    from lockstep._internal import protocol
+    from lockstep._internal.channel import connect_to_driver
     from lockstep._internal.link_watch import DriverWatch
     from lockstep._internal.preemption import rank_signals
 
     rank_env = RankEnv.from_environ()
-    channel = protocol.connect_to_driver()
-    channel.send(protocol.Hello(rank_env.world_rank, os.getpid()))
-    watch = DriverWatch(channel.fileno(), rank_env.world_rank, os.environ[protocol.ENV_DRIVER_ADDRESS])
+    channel = connect_to_driver(rank_env.world_rank)
+    watch = DriverWatch(channel.fileno(), rank_env.world_rank, os.environ[ENV_DRIVER_ADDRESS])
     with rank_signals(channel, rank_env.world_rank), watch:  # SIGTERM: a preemption notice, not the end
         outcome, exit_code = run_to_outcome(rank_env, channel, lambda: _job_from(_read_payload(int(os.environ[ENV_PAYLOAD_FD]))))
     _send_and_exit(channel, outcome, exit_code)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from lockstep._internal import protocol
+from lockstep._internal.channel import WorkerChannel
 from lockstep._internal.checkpoint_upload import CheckpointUploader, Upload, UploadFn, check_deletable, delete_local, upload
 from lockstep._internal.step_timing import CLOCK
 from lockstep._internal.storage import RESERVED_NAMES
@@ -29,7 +30,7 @@ class WorkerSession:
     def __init__(
         self,
         context: TrainContext,
-        channel: protocol.WorkerChannel,
+        channel: WorkerChannel,
         first_report_index: int,
         checkpoint: Checkpoint | None,
         datasets: Mapping[str, Any],

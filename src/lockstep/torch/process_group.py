@@ -3,7 +3,8 @@
 A rank that can't reach the others at the start (a wrong address advertised, a firewall, a rank
 that never comes) would otherwise wait as long as a collective may: 30 minutes by default. The
 group is joined with ``start_timeout_s`` instead, and the collectives' own timeout is set once
-every rank is in. A rank that fails to join says what it advertised and how to fix it.
+every rank is in (``torch.distributed.set_timeout``, new in torch 2.14: the reason lockstep
+needs torch >= 2.14). A rank that fails to join says what it advertised and how to fix it.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ def join_process_group(
         _init(backend, init_method, rank, world_size, start_timeout)
     except Exception as error:  # noqa: BLE001 - torch raises several types here; all mean the same
         raise ProcessGroupStartError(describe_start_failure(rank, world_size, start_timeout_s, error)) from error
-    if hasattr(dist, "set_timeout"):
-        dist.set_timeout(datetime.timedelta(seconds=timeout_s))
+    dist.set_timeout(datetime.timedelta(seconds=timeout_s))
     logger.debug("rank %d joined the %s process group", rank, backend)
 
 

@@ -1,6 +1,8 @@
 """The driver's end of the workers' channels, the same for every executor: a listener that
-accepts ranks as they connect, one authenticated connection per rank, and the part of a worker
-group that only talks over them (:class:`ChannelGroup`)."""
+accepts ranks as they connect, one authenticated connection per rank (each rank once per
+group), and the part of a worker group that only talks over them (:class:`ChannelGroup`).
+Every message read from a connection is checked to come from that connection's rank
+(:func:`lockstep._internal.channel.check_sender`)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from lockstep._internal import protocol
+from lockstep._internal import channel, protocol
 from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.failures import FailureKind
 from lockstep._internal.link_watch import LOST_EXIT_CODE, lost_link_cause
 from lockstep._internal.worker_output import ConsoleMode, OutputRelay
 
@@ -21,17 +24,19 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerConnections:
-    """Accepts workers on ``host``, reads what they send, and answers them."""
+    """Accepts the ``world_size`` ranks of one group on ``host``, reads what they send, and answers them."""
 
-    def __init__(self, host: str) -> None:
-        self.listener = protocol.DriverListener(host)
+    def __init__(self, host: str, world_size: int) -> None:
+        self.listener = channel.DriverListener(host, world_size)
         self._by_rank: dict[int, Connection] = {}
+        self._rank_of: dict[int, int] = {}  # id(connection) -> rank
+        self._ever_connected: set[int] = set()
         self._peers: dict[int, str] = {}
         self._lost: dict[int, str] = {}
 
-    def worker_env(self) -> dict[str, str]:
-        """The environment variables a worker needs to connect back."""
-        return self.listener.worker_env()
+    def worker_env(self, rank: int) -> dict[str, str]:
+        """The environment variables rank ``rank`` needs to connect back (with its own credential)."""
+        return self.listener.worker_env(rank)
 
     def connected_ranks(self) -> set[int]:
         """The ranks whose channel is open."""
@@ -51,23 +56,44 @@ class WorkerConnections:
 
     def _accept(self) -> list[Any]:
         try:
-            connection, hello = self.listener.accept()
+            connection, hello = self.listener.accept(self._refusal)
         except (OSError, EOFError, AuthenticationError, ValueError) as error:
-            logger.warning("refused a connection that is not one of this run's workers: %s", error or type(error).__name__)
+            logger.warning("refused a connection that is not one of this run's workers: %s",
+                           error or type(error).__name__)
             return []
         self._by_rank[hello.rank] = connection
+        self._rank_of[id(connection)] = hello.rank
+        self._ever_connected.add(hello.rank)
         self._peers[hello.rank] = _peer_host(connection)
         return [hello]
 
+    def _refusal(self, rank: int) -> str | None:
+        """Why ``rank`` may not connect now (None: it may): each rank connects once per group."""
+        return "has connected to this group already" if rank in self._ever_connected else None
+
     def _drain(self, connection: Connection) -> list[Any]:
-        """Every message waiting on ``connection`` (it is dropped at end of stream)."""
+        """Every message waiting on ``connection`` (it is dropped at end of stream, and at a
+        message its rank may not send: then a ChannelViolation failure of that rank ends the list)."""
+        rank = self._rank_of[id(connection)]
         messages: list[Any] = []
         try:
             while connection.poll():
-                messages.append(protocol.decode(connection.recv_bytes()))
+                message = protocol.decode(connection.recv_bytes())
+                violation = channel.check_sender(rank, message)
+                if violation is not None:
+                    return [*messages, self._violated(connection, rank, violation)]
+                messages.append(message)
         except (EOFError, OSError, ValueError) as error:
             self._forget(connection, error)
         return messages
+
+    def _violated(self, connection: Connection, rank: int, violation: str) -> protocol.Failed:
+        """Close rank ``rank``'s channel for ``violation``; the failure that says so."""
+        logger.warning("closed rank %d's channel: %s", rank, violation)
+        self._forget(connection)
+        return protocol.Failed(FailureKind.CHANNEL_VIOLATION.failure(
+            rank, f"{violation}; lockstep closed its channel (a message's rank is the rank of the channel it "
+                  "comes on, and nothing it carries was unpickled)"))
 
     def drain_rank(self, rank: int, until_closed_s: float = 0.0) -> list[Any]:
         """What ``rank`` sent and is not read yet. With ``until_closed_s``, keep reading until the
@@ -83,6 +109,7 @@ class WorkerConnections:
         return messages
 
     def _forget(self, connection: Connection, error: BaseException | None = None) -> None:
+        self._rank_of.pop(id(connection), None)
         for rank, known in list(self._by_rank.items()):
             if known is connection:
                 del self._by_rank[rank]
@@ -113,15 +140,17 @@ class WorkerConnections:
         for connection in list(self._by_rank.values()):
             connection.close()
         self._by_rank.clear()
+        self._rank_of.clear()
         self.listener.close()
 
 
 class ChannelGroup(WorkerGroup):
     """The part of a worker group that talks to its ranks: their channels (listening on
-    ``host``) and, with a ``log_dir``, the relay of their output to log files and the console."""
+    ``host``, for ``world_size`` ranks) and, with a ``log_dir``, the relay of their output to log
+    files and the console."""
 
-    def __init__(self, host: str, log_dir: str | None = None, console: ConsoleMode = "rank0") -> None:
-        self._channels = WorkerConnections(host)
+    def __init__(self, host: str, world_size: int, log_dir: str | None = None, console: ConsoleMode = "rank0") -> None:
+        self._channels = WorkerConnections(host, world_size)
         self._output = OutputRelay(log_dir, console) if log_dir else None
 
     def _wait(self, others: list[Any], timeout: float | None) -> tuple[list[Any], list[Any]]:
@@ -151,7 +180,7 @@ class ChannelGroup(WorkerGroup):
         return others
 
     @property
-    def listener(self) -> protocol.DriverListener:
+    def listener(self) -> channel.DriverListener:
         """Where the ranks connect, and the secret they must know."""
         return self._channels.listener
 
@@ -175,8 +204,8 @@ class AttachedGroup(ChannelGroup):
     closes has ended (``exit_cause`` says so). Rank 0's return value is handed over in this
     process, never read from the network."""
 
-    def __init__(self, host: str, exit_cause: str) -> None:
-        super().__init__(host)
+    def __init__(self, host: str, world_size: int, exit_cause: str) -> None:
+        super().__init__(host, world_size)
         self.exit_cause = exit_cause
         self._seen: set[int] = set()
         self._ended: set[int] = set()

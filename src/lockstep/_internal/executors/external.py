@@ -6,13 +6,14 @@ Rank 0 also drives the run: a thread of it runs the controller, which every rank
 included) reaches over the usual channel. Only what rank 0 decides crosses between ranks:
 
 - through the rendezvous store (torchrun's, or one rank 0 opens on MASTER_ADDR:MASTER_PORT):
-  the default run name, the channel's address and secret, and how the run ended — plain
-  strings;
+  the default run name, the channel's address, the name of the file in the run folder that
+  holds the channel's secret (never the secret: see
+  :mod:`lockstep._internal.executors.shared_secret`), and how the run ended — plain strings;
 - over the channel (JSON messages, see :mod:`lockstep._internal.protocol`): where the attempt
   starts (first report index, checkpoint) and the report barrier.
 
-No pickle travels either way, so a peer that reaches the store learns how to connect but can't
-run code in any rank. Restarts are torchrun's business (``--max-restarts``): the run name is
+No pickle travels through the store, and what it holds does not open a channel: a peer that
+reaches the store alone can't speak to rank 0's controller, let alone run code. Restarts are torchrun's business (``--max-restarts``): the run name is
 derived from torchrun's run id, so a restarted group continues the same run from its latest
 checkpoint.
 """
@@ -29,11 +30,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from lockstep._internal import network, protocol
+from lockstep._internal.channel import ENV_AUTHKEY, connect_to_driver, rank_credential
+from lockstep._internal.config_checks import check_run_name
 from lockstep._internal.executors.base import Executor, GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
+from lockstep._internal.executors.shared_secret import read_secret, remove_secret, write_secret
 from lockstep._internal.link_watch import LOST_EXIT_CODE, STUCK_GRACE_S, DriverWatch
 from lockstep._internal.preemption import RANK_HANGUP, HangUp, Preemption, PreemptionStop, hung_up, rank_signals
-from lockstep._internal.rank_env import RankEnv
+from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.run_names import default_run_name
 from lockstep._internal.worker import run_to_outcome
 from lockstep.context import current_session
@@ -42,6 +46,7 @@ from lockstep.errors import ControllerError, PreemptionError, WorkerGroupError, 
 if TYPE_CHECKING:
     from lockstep._internal.driver import RunDriver
     from lockstep._internal.payload import TrainJob
+    from lockstep._internal.storage import RunStorage
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
 
@@ -146,21 +151,26 @@ class ExternalExecutor(Executor):
 
     def _drive_and_run_rank_0(self, job: TrainJob, driver: RunDriver) -> Result:
         size = self.launch_info.world_size
-        group = AttachedGroup("0.0.0.0", "its process closed its channel to rank 0 (it exited or crashed)")
+        group = AttachedGroup("0.0.0.0", size, "its process closed its channel to rank 0 (it exited or crashed)")
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, size, size), restarts=False)
+            secret_file = write_secret(job.storage, group.listener.secret)
         except BaseException as error:
             group.stop()
             publish_channel(self.launch_info, self.store, error=f"{type(error).__name__}: {error}")
             raise
-        publish_channel(self.launch_info, self.store, group=group)
-        thread = ControllerThread(lambda: driver.drive(controller), lambda error: announce_end(self.launch_info, self.store, error))
-        thread.start()
         try:
-            self._run_rank(job, group.keep_return_value, controller.preemption)
+            publish_channel(self.launch_info, self.store, group=group, secret_file=secret_file)
+            thread = ControllerThread(lambda: driver.drive(controller),
+                                      lambda error: announce_end(self.launch_info, self.store, error))
+            thread.start()
+            try:
+                self._run_rank(job, group.keep_return_value, controller.preemption)
+            finally:
+                thread.rank_done.set()
+            thread.join()
         finally:
-            thread.rank_done.set()
-        thread.join()
+            remove_secret(job.storage, secret_file)
         announce_end(self.launch_info, self.store, thread.error)
         if thread.error is not None:
             raise thread.error
@@ -174,13 +184,13 @@ class ExternalExecutor(Executor):
         exit code and how many SIGTERMs (preemption notices) it got meanwhile. A SIGHUP raises
         HangUp in the train function (on rank 0, after telling its controller's ``preemption``)."""
         launch = self.launch_info
-        channel_env = await_channel(launch, self.store)
+        channel_env = await_channel(launch, self.store, job.storage)
         rank_env = replace(launch.rank_env, store_is_hosted=True, store_prefix=launch.key("pg"),
                            gpu_ids=(str(launch.rank_env.local_rank),) if self.use_gpu else ())
         os.environ.update(rank_env.variables())
-        channel = protocol.connect_to_driver(channel_env)
-        channel.send(protocol.Hello(launch.rank, os.getpid()))
-        watch = nullcontext() if launch.rank == 0 else DriverWatch(channel.fileno(), launch.rank, channel_env[protocol.ENV_DRIVER_ADDRESS])
+        channel = connect_to_driver(launch.rank, channel_env)
+        watch = nullcontext() if launch.rank == 0 else DriverWatch(channel.fileno(), launch.rank,
+                                                                   channel_env[ENV_DRIVER_ADDRESS])
         # torchrun forwards its SIGTERM (a notice) and its SIGHUP (HangUp) to every rank
         with rank_signals(channel, launch.rank, hang_up=True, controller=preemption) as signals, watch:
             outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
@@ -279,7 +289,12 @@ def shared_run_name(launch: Launch, store: Any, trainer_name: str) -> str:
     if launch.rank == 0:
         store.set(key, default_run_name(trainer_name))
     store.wait([key], STORE_WAIT)
-    return store.get(key).decode()
+    name = store.get(key).decode()
+    try:
+        check_run_name(name)
+    except ValueError as error:
+        raise ControllerError(f"torchrun's rendezvous store holds a run name lockstep never makes: {error}") from error
+    return name
 
 
 def publish_host(launch: Launch) -> str:
@@ -288,27 +303,36 @@ def publish_host(launch: Launch) -> str:
     return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.rank_env.node_addr or launch.rank_env.master_addr
 
 
-def publish_channel(launch: Launch, store: Any, group: AttachedGroup | None = None, error: str | None = None) -> None:
-    """Rank 0 tells the other ranks where its channel is, or why there is none."""
+def publish_channel(
+    launch: Launch, store: Any, group: AttachedGroup | None = None, secret_file: str | None = None,
+    error: str | None = None,
+) -> None:
+    """Rank 0 tells the other ranks where its channel is and which file of the run folder holds
+    its secret (see :mod:`lockstep._internal.executors.shared_secret`), or why there is none."""
     if group is not None:
-        listener = group.listener
-        entry = {"address": f"{publish_host(launch)}:{listener.address[1]}", "authkey": listener.authkey.hex()}
+        entry = {"address": f"{publish_host(launch)}:{group.listener.address[1]}", "secret_file": secret_file}
     else:
         entry = {"error": error or "rank 0 could not start the run"}
     store.set(launch.key("channel"), json.dumps(entry))
 
 
-def await_channel(launch: Launch, store: Any) -> dict[str, str]:
-    """The environment that connects this rank to rank 0's channel.
+def await_channel(launch: Launch, store: Any, storage: RunStorage) -> dict[str, str]:
+    """The environment that connects this rank to rank 0's channel: its address from the
+    store, this rank's credential from the secret rank 0 wrote into the run folder.
 
     Raises:
-        ControllerError: rank 0 could not start the run.
+        ControllerError: rank 0 could not start the run, or what the store says is not what
+            rank 0 writes there.
     """
     store.wait([launch.key("channel")], STORE_WAIT)
     entry = json.loads(store.get(launch.key("channel")).decode())
     if "error" in entry:
         raise ControllerError(f"The run could not start (rank 0 says): {entry['error']}")
-    return {protocol.ENV_DRIVER_ADDRESS: entry["address"], protocol.ENV_AUTHKEY: entry["authkey"]}
+    try:
+        secret = read_secret(storage, str(entry.get("secret_file")))
+    except (ValueError, FileNotFoundError) as error:
+        raise ControllerError(f"rank {launch.rank} can't open its channel to rank 0: {error}") from error
+    return {ENV_DRIVER_ADDRESS: str(entry["address"]), ENV_AUTHKEY: rank_credential(secret, launch.rank).hex()}
 
 
 def announce_end(launch: Launch, store: Any, error: BaseException | None) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import protocol
+from lockstep._internal.channel import WorkerChannel, connect_to_driver
 from lockstep._internal.executors.base import Executor, GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.external import ControllerThread
@@ -76,7 +77,7 @@ class InlineExecutor(Executor):
             logger.info("Local mode (num_workers=0) does not restart a failed train function: "
                         "FailureConfig.max_failures is not used.")
         driver.scaling = dataclasses.replace(driver.scaling, num_workers=1)
-        group = AttachedGroup(LOOPBACK, "the train function's channel closed before it finished")
+        group = AttachedGroup(LOOPBACK, 1, "the train function's channel closed before it finished")
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, 1, 1), restarts=False)
         except BaseException:
@@ -99,10 +100,9 @@ class InlineExecutor(Executor):
         from lockstep._internal.worker import describe_failure, run_rank
         from lockstep.context import set_session
 
-        channel = protocol.connect_to_driver(group.listener.worker_env())
+        channel = connect_to_driver(0, group.listener.worker_env(0))
         interrupted: BaseException | None = None
         try:
-            channel.send(protocol.Hello(0, os.getpid()))
             with rank_signals(channel, 0, hang_up=True, controller=preemption):  # SIGTERM: a notice; SIGHUP: interrupted
                 group.keep_return_value(run_rank(self._rank_env(), channel, lambda: _without_worker_setup(job),
                                                  {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
@@ -156,7 +156,7 @@ def _without_worker_setup(job: TrainJob) -> TrainJob:
     return dataclasses.replace(job, backend_config=BackendConfig())
 
 
-def _send_last(channel: protocol.WorkerChannel, outcome: Any) -> None:
+def _send_last(channel: WorkerChannel, outcome: Any) -> None:
     """Tell the controller how the train function ended, and close the channel."""
     try:
         channel.send(outcome)

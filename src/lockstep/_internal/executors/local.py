@@ -104,7 +104,7 @@ class LocalWorkerGroup(ChannelGroup):
     """``num_workers`` processes on this machine, each running the serialized job ``payload``."""
 
     def __init__(self, spec: GroupSpec, payload: bytes) -> None:
-        super().__init__(LOOPBACK, spec.log_dir, spec.console)
+        super().__init__(LOOPBACK, spec.num_workers, spec.log_dir, spec.console)
         self.spec = spec
         self.payload = payload
         self._processes: dict[int, warm_start.RankProcess] = {}
@@ -144,7 +144,7 @@ class LocalWorkerGroup(ChannelGroup):
             rank_env.variables(),
             PYTHONPATH=worker_pythonpath(env),
             **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FILE: self._stack_file(rank)},
-            **self._channels.worker_env(),
+            **self._channels.worker_env(rank),
         )
         return env
 

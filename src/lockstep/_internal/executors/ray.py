@@ -157,7 +157,7 @@ class RayWorkerGroup(ChannelGroup):
     ) -> None:
         import ray
 
-        super().__init__(ray.util.get_node_ip_address(), spec.log_dir, spec.console)
+        super().__init__(ray.util.get_node_ip_address(), spec.num_workers, spec.log_dir, spec.console)
         self.spec = spec
         self.payload = payload
         self.datasets = dict(datasets or {})
@@ -227,7 +227,7 @@ class RayWorkerGroup(ChannelGroup):
         runs = {}
         for rank, actor in zip(self._places, self._actors):
             env = rank_env(self._places, rank, master_port, self.spec.cpus_per_worker, self.spec.use_gpu).variables()
-            env.update(self._channels.worker_env())
+            env.update(self._channels.worker_env(rank.world_rank))
             runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path())] = rank.world_rank
         self._watcher = threading.Thread(target=self._watch, args=(runs,), daemon=True, name="lockstep-ray-watch")
         self._watcher.start()
