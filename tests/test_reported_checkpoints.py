@@ -46,10 +46,15 @@ def _write_checkpoint(folder: str, rank: int, step: int) -> Checkpoint:
 
 def barrier_then_broadcast(config: dict) -> dict:
     rank = lockstep.get_context().get_world_rank()
-    marker = Path(config["marker"])
-    if rank == 0:
-        time.sleep(1.0)  # rank 1 reaches the barrier first and must wait for this
+    marker, entered = Path(config["marker"]), Path(config["marker"] + ".rank1_entered")
+    if rank == 0:  # rank 1 is in the barrier (or on its way) before rank 0 writes the marker and joins it
+        deadline = time.monotonic() + 60
+        while not entered.exists():
+            assert time.monotonic() < deadline, "rank 1 never reached the barrier"
+            time.sleep(0.01)
         marker.write_text("rank 0 was here")
+    else:
+        entered.touch()
     barrier()
     saw_marker = marker.exists()
     first = broadcast_from_rank_zero({"run_id": "abc", "sizes": [1, 2]} if rank == 0 else {"run_id": "mine"})

@@ -1,6 +1,7 @@
-"""The slow rank named: the rule on made-up step times, the progress line, and real 2-worker runs
-(a rank slowed in its data loader, a rank slowed in its forward pass, a balanced run) read back
-with ``lockstep show``."""
+"""The slow rank named: the rule on made-up step times, the progress line, and real runs of 2, 3
+and 4 workers (a rank slowed in its data loader, a rank slowed in its forward pass, a balanced
+run; with 3 and 4 ranks the slow one is neither the first nor the last) read back with
+``lockstep show``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,25 @@ def test_a_rank_waiting_for_data_while_the_others_wait_for_it_is_named() -> None
     slow = slowest(history(*[slow_data] * 6))
     assert slow is not None and (slow.rank, slow.cause) == (1, "data")
     assert slow.describe() == "rank 1 — data loading, 70% of its step time"
+
+
+def test_the_cause_is_the_share_in_which_the_slow_rank_exceeds_the_others() -> None:
+    # rank 1 loads slowly: the others wait for it in the all-reduce; compute is the same on all
+    # ranks and the largest share of rank 1's time, but not where it differs
+    fast = times(1.0, data=0.01, collective=0.40)
+    slow_data = {"0": fast, "1": times(1.0, data=0.40, collective=0.01), "2": fast}
+    slow = slowest(history(*[slow_data] * 6))
+    assert slow is not None and (slow.rank, slow.cause) == (1, "data"), slow
+
+
+@pytest.mark.parametrize(("world_size", "slow_rank"), [(3, 1), (4, 2), (4, 1)])
+@pytest.mark.parametrize("cause", ["data", "compute"])
+def test_a_slow_rank_in_the_middle_of_3_or_4_is_named_for_its_cause(world_size: int, slow_rank: int, cause: str) -> None:
+    fast = times(1.0, data=0.05, collective=0.45)
+    slow_times = times(1.0, data=0.50, collective=0.02) if cause == "data" else times(1.0, data=0.05, collective=0.02)
+    report = {str(rank): (slow_times if rank == slow_rank else fast) for rank in range(world_size)}
+    slow = slowest(history(*[report] * 6))
+    assert slow is not None and (slow.rank, slow.cause) == (slow_rank, cause), slow
 
 
 def test_a_rank_computing_longer_is_named_for_compute() -> None:
@@ -146,10 +166,10 @@ def train_func(config: dict[str, Any]) -> None:
         lockstep.report({"loss": loss.item()})
 
 
-def run(storage_path: str, name: str, **config: Any) -> str:
+def run(storage_path: str, name: str, num_workers: int = 2, **config: Any) -> str:
     settings = {"slow_rank": 1, "data_delay_s": 0.0, "forward_delay_s": 0.0, "everyone": False, **config}
     TorchTrainer(
-        train_func, train_loop_config=settings, scaling_config=ScalingConfig(num_workers=2),
+        train_func, train_loop_config=settings, scaling_config=ScalingConfig(num_workers=num_workers),
         run_config=RunConfig(name=name, storage_path=storage_path, verbose=0),
     ).fit()
     return run_summary(open_run(name, storage_path))
@@ -175,6 +195,18 @@ def test_a_rank_slowed_in_its_data_loader_is_named(storage_path: str) -> None:
 def test_a_rank_slowed_in_its_forward_pass_is_named(storage_path: str) -> None:
     shown = run(storage_path, "slow_forward", forward_delay_s=DELAY_S)
     assert "slowest: rank 1 — compute" in shown, shown
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("num_workers", "slow_rank"), [(3, 1), (4, 2)])
+@pytest.mark.parametrize(("cause", "shown_cause"), [("data", "data loading"), ("forward", "compute")])
+def test_a_slow_rank_that_is_neither_first_nor_last_is_named(storage_path: str, num_workers: int, slow_rank: int,
+                                                            cause: str, shown_cause: str) -> None:
+    shown = run(storage_path, f"slow_{cause}_{num_workers}", num_workers=num_workers, slow_rank=slow_rank,
+                **{f"{cause}_delay_s": DELAY_S})
+    assert f"slowest: rank {slow_rank} — {shown_cause}" in shown, shown
+    step_times = recorded_step_times(storage_path, f"slow_{cause}_{num_workers}")
+    assert all(set(ranks) == {str(rank) for rank in range(num_workers)} for ranks in step_times)
 
 
 @pytest.mark.timeout(90)

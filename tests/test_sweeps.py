@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,10 +195,27 @@ except ImportError:  # the tests above run without Optuna; those below need it
 needs_optuna = pytest.mark.skipif(optuna is None, reason="needs optuna (pip install 'lockstep[optuna]')")
 
 
+OVERLAP_WAIT_S = 60
+
+
+def meet_the_other_trial(meet_dir: str, tag: str, other: str) -> None:
+    """Say that trial ``tag`` runs, and wait until trial ``other`` runs too: two fits run at once
+    only if each sees the other started while it runs (fits run one after the other fail here)."""
+    Path(meet_dir, tag).touch()
+    deadline = time.monotonic() + OVERLAP_WAIT_S
+    while not Path(meet_dir, other).exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"trial {other} did not start within {OVERLAP_WAIT_S} s while trial {tag} ran: "
+                               "the two fits did not overlap")
+        time.sleep(0.02)
+
+
 def scaled_losses(config: dict[str, Any]) -> None:
-    """Reports loss = scale * (1 - step / 10) with a checkpoint each time; ``hold`` keeps it in
-    its first report until the other trial has started (so the two fits overlap for sure)."""
+    """Reports loss = scale * (1 - step / 10) with a checkpoint each time; with ``meet_dir``,
+    rank 0 first waits until the other trial has started (so the two fits overlap for sure)."""
     context = lockstep.get_context()
+    if config.get("meet_dir") and context.get_world_rank() == 0:
+        meet_the_other_trial(config["meet_dir"], config["tag"], config["other"])
     for step in range(4):
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, f"rank{context.get_world_rank()}.txt").write_text(config["tag"])
@@ -218,12 +236,13 @@ class RunsSeen(Callback):
         self.tags.add(metrics["tag"])
 
 
-def optuna_objective(storage_path: str, seen: dict[int, RunsSeen]) -> Any:
+def optuna_objective(storage_path: str, seen: dict[int, RunsSeen], meet_dir: str | None = None) -> Any:
     def objective(trial: Any) -> float:
         scale = trial.suggest_float("scale", 0.1, 10.0)
         seen[trial.number] = RunsSeen()
+        config = {"scale": scale, "tag": f"t{trial.number}", "other": f"t{1 - trial.number}", "meet_dir": meet_dir}
         trainer = TorchTrainer(
-            scaled_losses, train_loop_config={"scale": scale, "tag": f"t{trial.number}"},
+            scaled_losses, train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=2),
             run_config=RunConfig(name=f"trial_{trial.number}", storage_path=storage_path, verbose=0,
                                  callbacks=[lockstep.optuna.PruningCallback(trial, "loss"), seen[trial.number]]),
@@ -234,13 +253,16 @@ def optuna_objective(storage_path: str, seen: dict[int, RunsSeen]) -> Any:
 
 @needs_optuna
 @pytest.mark.timeout(120)
-def test_two_trials_at_once_one_pruned(storage_path: str) -> None:
+def test_two_trials_at_once_one_pruned(storage_path: str, tmp_path: Path) -> None:
     study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=1.5, n_warmup_steps=1))
     study.enqueue_trial({"scale": 0.5})
     study.enqueue_trial({"scale": 2.0})  # 2.0, 1.8 > 1.5 at report #1: pruned there
     seen: dict[int, RunsSeen] = {}
     threads_before = threading.active_count()
-    study.optimize(optuna_objective(storage_path, seen), n_trials=2, n_jobs=2)
+    meet_dir = tmp_path / "meet"
+    meet_dir.mkdir()
+    study.optimize(optuna_objective(storage_path, seen, meet_dir=str(meet_dir)), n_trials=2, n_jobs=2)
+    assert {path.name for path in meet_dir.iterdir()} == {"t0", "t1"}, "both trials met while running"
     states = {trial.number: trial.state for trial in study.trials}
     assert states == {0: optuna.trial.TrialState.COMPLETE, 1: optuna.trial.TrialState.PRUNED}
     assert study.best_value == pytest.approx(0.5 * 0.7)

@@ -15,8 +15,9 @@ The rule, over the last :data:`RECENT_REPORTS` reports that carry step times:
 * a rank is *the slowest* when it was slow in at least :data:`CONSISTENT_SHARE` of those
   reports, and there were at least :data:`MIN_REPORTS` of them.
 
-Its main cost is data loading or compute, whichever took more of its time over those reports.
-A balanced run names nobody.
+Its cause is data loading or compute: the one whose share of its time exceeds the other ranks'
+median share by more (not its largest share: a rank slow to load spends the same on compute as
+the others, and its compute share may still be the largest). A balanced run names nobody.
 """
 
 from __future__ import annotations
@@ -124,9 +125,20 @@ def slowest_rank(recent: Sequence[Mapping[str, RankTimes]]) -> SlowRank | None:
     rank = max(set(verdicts), key=verdicts.count)
     if rank is None or verdicts.count(rank) < CONSISTENT_SHARE * len(recent):
         return None
-    totals = rank_shares(recent).get(rank, {})
-    cause = "data" if totals.get("data", 0.0) > totals.get("compute", 0.0) else "compute"
-    return SlowRank(rank, cause, totals.get(cause, 0.0))
+    shares = rank_shares(recent)
+    cause = cause_of(rank, shares)
+    return SlowRank(rank, cause, shares.get(rank, {}).get(cause, 0.0))
+
+
+def cause_of(rank: int, shares: Mapping[int, Mapping[str, float]]) -> str:
+    """The part of :data:`CAUSES` in which ``rank``'s share exceeds the other ranks' median share the most."""
+    own = shares.get(rank, {})
+    others = [times for other, times in shares.items() if other != rank]
+
+    def excess(part: str) -> float:
+        return own.get(part, 0.0) - (statistics.median(times.get(part, 0.0) for times in others) if others else 0.0)
+
+    return max(CAUSES, key=excess)
 
 
 def rank_shares(recent: Sequence[Mapping[str, RankTimes]]) -> dict[int, dict[str, float]]:
