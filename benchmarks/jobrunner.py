@@ -110,6 +110,7 @@ class Variant:
     label: str
     framework: str  # lockstep, torchrun, ray
     workers: int = 2
+    env: tuple[tuple[str, str], ...] = ()  # extra environment variables of the job
 
 
 @dataclass
@@ -129,7 +130,7 @@ def free_port() -> int:
 
 def job_command(variant: Variant, job: str, job_args: list[str], storage: Path) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``job`` ("mlp" or "noop") for ``variant``."""
-    env = dict(os.environ)
+    env = {**os.environ, **dict(variant.env)}
     if variant.framework == "torchrun":
         env["OMP_NUM_THREADS"] = "1"
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={variant.workers}",

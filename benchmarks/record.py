@@ -7,7 +7,10 @@ the goals with their verdicts, and the markdown the script printed. ``benchmarks
 writes the README tables from the newest file of each kind.
 
 A goal is judged by the statistic written next to it in the code (``Goal.statistic``), fixed
-before measuring; the scripts print PASS or MISS with the figure.
+before measuring; the scripts print PASS or MISS with the figure. A goal with a 95% interval is
+met only when the whole interval is on the right side of the limit (an interval that straddles
+it is a MISS), and a goal measured on fewer than :data:`MIN_ROUNDS` interleaved rounds is never
+met. ``tables.py`` judges the goals of older results files by the same rule.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
+#: The fewest interleaved rounds a goal may be judged on.
+MIN_ROUNDS = 5
 
 
 @dataclass(frozen=True)
 class Goal:
     """One goal: what is compared, the statistic that judges it, the limit, the figure, the verdict.
 
-    ``at_most`` is True for "figure <= limit" goals, False for "figure >= limit".
+    ``at_most`` is True for "figure <= limit" goals, False for "figure >= limit". ``rounds``:
+    how many interleaved rounds the figure comes from (None: not a per-round measurement).
     """
 
     name: str
@@ -41,20 +47,44 @@ class Goal:
     at_most: bool = True
     unit: str = ""
     ci95: tuple[float, float] | None = None
+    rounds: int | None = None
+
+    @property
+    def judged_edge(self) -> float:
+        """What is compared with the limit: the interval's far end when there is one, else the figure."""
+        if self.ci95 is None:
+            return self.value
+        return self.ci95[1] if self.at_most else self.ci95[0]
 
     @property
     def met(self) -> bool:
-        """Whether the figure is on the right side of the limit."""
-        return self.value <= self.limit if self.at_most else self.value >= self.limit
+        """Whether the figure, and all of its interval, are on the right side of the limit, on enough rounds."""
+        if self.rounds is not None and self.rounds < MIN_ROUNDS:
+            return False
+        edge = self.judged_edge
+        return edge <= self.limit if self.at_most else edge >= self.limit
 
     @property
     def verdict(self) -> str:
-        """PASS or MISS."""
-        return "PASS" if self.met else "MISS"
+        """PASS, or MISS with why when the figure alone would pass."""
+        if self.met:
+            return "PASS"
+        if self.rounds is not None and self.rounds < MIN_ROUNDS:
+            return f"MISS (only {self.rounds} rounds, fewer than {MIN_ROUNDS})"
+        figure_passes = self.value <= self.limit if self.at_most else self.value >= self.limit
+        return "MISS (the interval straddles the limit)" if figure_passes else "MISS"
 
     def as_dict(self) -> dict[str, Any]:
         """The goal for the results file, with its verdict."""
         return {**asdict(self), "verdict": self.verdict}
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> Goal:
+        """A goal as a results file stored it (its verdict recomputed by today's rule)."""
+        fields = {name: stored[name] for name in cls.__dataclass_fields__ if name in stored}
+        if fields.get("ci95") is not None:
+            fields["ci95"] = tuple(fields["ci95"])
+        return cls(**fields)
 
 
 def fmt(value: float, unit: str) -> str:
@@ -98,7 +128,23 @@ def ratio_goal(name: str, numerators: Sequence[float], denominators: Sequence[fl
     """A "ratio <= limit" goal judged by the median of the paired per-round ratios."""
     ratios = paired_ratios(numerators, denominators)
     return Goal(name, f"median of paired per-round ratios, {len(ratios)} rounds", statistics.median(ratios),
-                limit, ci95=bootstrap_ci(ratios))
+                limit, ci95=bootstrap_ci(ratios), rounds=len(ratios))
+
+
+def ratio_of_medians(numerators: Sequence[float], denominators: Sequence[float]) -> tuple[float, tuple[float, float]]:
+    """median(numerators) / median(denominators), with a percentile bootstrap 95% interval that
+    resamples whole rounds (the two series were measured interleaved, round by round)."""
+    if len(numerators) != len(denominators) or not numerators:
+        raise ValueError(f"ratio_of_medians: {len(numerators)} against {len(denominators)} rounds")
+    rounds = range(len(numerators))
+    generator = random.Random(BOOTSTRAP_SEED)
+    estimates = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        picked = generator.choices(rounds, k=len(numerators))
+        estimates.append(statistics.median(numerators[i] for i in picked) / statistics.median(denominators[i] for i in picked))
+    estimates.sort()
+    interval = (estimates[int(0.025 * (BOOTSTRAP_RESAMPLES - 1))], estimates[int(0.975 * (BOOTSTRAP_RESAMPLES - 1))])
+    return statistics.median(numerators) / statistics.median(denominators), interval
 
 
 # -- results files ------------------------------------------------------------------------------

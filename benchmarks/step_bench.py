@@ -3,7 +3,14 @@ training step over hand-written DDP, measured two ways in one lockstep run with 
 
 What it measures
 ----------------
-1. **Direct** (this judges the goal). lockstep's own per-step code against the bare equivalent,
+The goal is judged by part 2, the whole runs, with the statistic first written for it (round 2:
+"lockstep's steps/s over hand-written DDP's, >= 0.99"), made exact in round 3: **the ratio of the
+medians of the training-phase steps/s (prepared over hand-written), from ``--rounds``
+interleaved rounds (default 20, at least 5), judged by the lower end of its round-resampling
+bootstrap 95% interval: >= 0.99**. Round 2 had switched it to part 1 after two whole-run misses;
+part 1 stays, as the explanation of where any difference goes.
+
+1. **Direct** (the explanation). lockstep's own per-step code against the bare equivalent,
    timed in alternating blocks (A B, then B A, …) in one process, ``--direct-rounds`` rounds:
 
    * the loader (rank 0 of the run, while rank 1 waits): ``--loader-block`` batches from
@@ -31,20 +38,19 @@ What it measures
    median(loader differences) + median(model differences) + mean(report time) / steps per
    report; its 95% interval is a percentile bootstrap (2000 resamples, each part resampled on
    its own, summed). Divided by the step time of the benchmark model (the median hand-written
-   step of part 2), it is the overhead. **Goal (fixed before measuring): the upper end of the
-   interval <= 1 % of the step time.**
+   step of part 2), it is the overhead.
 
-2. **Whole runs** (for reference). Both workers train the seed 003 MLP on Fashion-MNIST
+2. **Whole runs** (this judges the goal). Both workers train the seed 003 MLP on Fashion-MNIST
    (``ToTensor``, global batch 64, shuffled) in rounds alternating the two set-ups, each round a
    fresh model, optimizer and loader and ``--steps`` timed steps after 20 untimed ones: prepared
    (``prepare_model`` + ``prepare_data_loader``) vs hand-written (``DistributedDataParallel`` +
-   ``DistributedSampler``). Rank 0's steps/s; the median of the per-round ratios with a bootstrap
-   95% interval. On this noisy 2-core machine the rounds spread by about ±10 %, so this cannot
-   resolve 1 %; it shows that nothing large was missed by the direct method.
+   ``DistributedSampler``). Rank 0's steps/s per round; the ratio of the two medians with its
+   interval, as above. On this noisy 2-core machine single rounds spread by several percent; an
+   interval that does not resolve 1 % is reported as a miss, not explained away.
 
 How to run
 ----------
-    .venv/bin/python benchmarks/step_bench.py [--rounds 10] [--steps 300] [--direct-rounds 400] [--quick]
+    .venv/bin/python benchmarks/step_bench.py [--rounds 20] [--steps 300] [--direct-rounds 400] [--quick]
 """
 
 from __future__ import annotations
@@ -64,9 +70,9 @@ sys.path.insert(0, str(HERE / "jobs"))
 
 from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
 from record import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, Goal, add_results_args, bootstrap_ci,  # noqa: E402
-                    goals_markdown, paired_ratios, write_result)
+                    goals_markdown, paired_ratios, ratio_of_medians, write_result)
 
-GOAL_FRACTION = 0.01
+GOAL_RATIO = 0.99
 WARMUP_STEPS = 20
 BATCH = 32
 
@@ -287,8 +293,10 @@ def summarize(output: dict[str, Any], args: argparse.Namespace) -> tuple[dict[st
     loader_us = per_step_differences_us(times, "loader")
     model_us = per_step_differences_us(times, "model")
     added, (low, high), report_us = added_per_step(loader_us, model_us, output["report_s"], args.steps_per_report)
+    ratio, ratio_ci = ratio_of_medians(rates["prepared"], rates["hand_written"])
     summary = {
         "whole_runs": {"medians_steps_per_s": {name: statistics.median(values) for name, values in rates.items()},
+                       "ratio_of_medians": ratio, "ratio_of_medians_ci95": ratio_ci,
                        "median_paired_ratio": statistics.median(ratios), "ci95": bootstrap_ci(ratios),
                        "min_ratio": min(ratios), "max_ratio": max(ratios)},
         "step_us": step_us,
@@ -298,11 +306,11 @@ def summarize(output: dict[str, Any], args: argparse.Namespace) -> tuple[dict[st
                    "added_us": added, "added_ci95_us": (low, high),
                    "hook_registered": times["hook_registered"], "hook_timed_s": times["hook_timed_s"]},
     }
-    goal = Goal("lockstep's added time per step / step time, upper end of the 95% CI",
-                f"median(loader) + median(model) of paired per-round differences of block-median step times "
-                f"+ mean(report)/{args.steps_per_report}, {args.direct_rounds} rounds, bootstrap CI, over the median "
-                f"hand-written step",
-                high / step_us * 100, GOAL_FRACTION * 100, unit="%", ci95=(low / step_us * 100, high / step_us * 100))
+    goal = Goal("training-phase steps/s, prepare_model + prepare_data_loader / hand-written DDP",
+                f"median(prepared steps/s) / median(hand-written steps/s), rank 0, {len(ratios)} interleaved rounds of "
+                f"{args.steps} steps in one 2-worker run; judged by the lower end of the round-resampling bootstrap "
+                "95% interval",
+                ratio, GOAL_RATIO, at_most=False, ci95=ratio_ci, rounds=len(ratios))
     return summary, [goal]
 
 
@@ -336,6 +344,8 @@ def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespac
         "",
         "| whole runs, rank 0 | steps/s median |", "|---|---:|",
         *(f"| {name.replace('_', '-')} | {value:.1f} |" for name, value in whole["medians_steps_per_s"].items()),
+        f"| prepared / hand-written, ratio of the medians (95% CI {whole['ratio_of_medians_ci95'][0]:.3f} – "
+        f"{whole['ratio_of_medians_ci95'][1]:.3f}) | {whole['ratio_of_medians']:.3f} |",
         f"| prepared / hand-written, median of per-round ratios (95% CI {whole['ci95'][0]:.3f} – {whole['ci95'][1]:.3f}; "
         f"rounds {whole['min_ratio']:.3f} – {whole['max_ratio']:.3f}) | {whole['median_paired_ratio']:.3f} |",
         "",
@@ -345,12 +355,14 @@ def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespac
 
 def headline(summary: dict[str, Any], goals: list[Goal]) -> list[dict[str, str]]:
     """The row for the top-level README's performance table."""
-    direct_part = summary["direct"]
-    low, high = direct_part["added_ci95_us"]
-    return [{"what": "time lockstep adds per training step (prepared loader, DDP wrapper, report() per epoch)",
-             "lockstep": f"{direct_part['added_us']:.1f} µs (95% CI {low:.1f} – {high:.1f})",
-             "compared_with": f"step of hand-written DDP {summary['step_us']:.0f} µs",
-             "ratio": f"<= {goals[0].value:.3f} % (goal <= 1 %)"}]
+    whole = summary["whole_runs"]
+    low, high = whole["ratio_of_medians_ci95"]
+    rates = whole["medians_steps_per_s"]
+    return [{"what": "training-phase steps/s, prepare_model + prepare_data_loader (2 workers)",
+             "lockstep": f"{rates['prepared']:.1f} steps/s",
+             "compared_with": f"hand-written DDP {rates['hand_written']:.1f} steps/s",
+             "ratio": f"{whole['ratio_of_medians']:.3f} (95% CI {low:.3f} – {high:.3f}; goal >= 0.99: "
+                      f"{goals[0].verdict})"}]
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -358,7 +370,7 @@ def headline(summary: dict[str, Any], goals: list[Goal]) -> list[dict[str, str]]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=10, help="whole-run rounds per set-up (default 10)")
+    parser.add_argument("--rounds", type=int, default=20, help="whole-run rounds per set-up (default 20, at least 5 to judge)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per whole-run round (default 300)")
     parser.add_argument("--direct-rounds", type=int, default=400, help="direct rounds (default 400)")
     parser.add_argument("--loader-block", type=int, default=50, help="batches per loader block (default 50)")

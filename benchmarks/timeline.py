@@ -1,13 +1,18 @@
 """Where the time of seed 003's job goes, lockstep against torchrun + hand-written DDP: the
 timeline behind bench_jobs.py's whole-process figure.
 
-Runs ``jobs/mlp_lockstep.py`` and ``jobs/mlp_torchrun.py`` (2 workers, 1 epoch) in interleaved
+Runs ``jobs/mlp_lockstep.py`` (with the warm start, and with ``LOCKSTEP_WARM_START=0``: workers
+started as fresh interpreters) and ``jobs/mlp_torchrun.py`` (2 workers, 1 epoch) in interleaved
 rounds with ``LOCKSTEP_BENCH_STAMPS=1``: each process of the job then writes a line when it
 reaches a point of the job (``jobs/mlp_common.py``'s ``stamp``). Every point is given in seconds
 from the launch of the command, the median over the rounds (for a point several processes
 reach, the last of them: the job waits for it); the process's end is measured here.
 
-    python benchmarks/timeline.py --data-dir /work/shared/data [--rounds 3] [--quick] [--results-dir DIR]
+The training phase (from "training starts" to "training ends": the same model, loop and data in
+all three) is also compared directly: the ratio of its medians, each lockstep variant over
+torchrun, with a round-resampling bootstrap 95% interval (``record.ratio_of_medians``).
+
+    python benchmarks/timeline.py --data-dir /work/shared/data [--rounds 8] [--quick] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ from typing import Any
 
 from jobrunner import Variant, job_command, run_job
 from machine import describe_machine, machine_line
-from record import add_results_args, write_result
+from record import add_results_args, ratio_of_medians, write_result
 
-LAUNCHERS = [Variant("lockstep", "lockstep", "lockstep"), Variant("torchrun", "torchrun + DDP", "torchrun")]
+LAUNCHERS = [Variant("lockstep", "lockstep", "lockstep"),
+             Variant("lockstep_cold", "lockstep, LOCKSTEP_WARM_START=0", "lockstep", env=(("LOCKSTEP_WARM_START", "0"),)),
+             Variant("torchrun", "torchrun + DDP", "torchrun")]
+LOCKSTEP_POINTS = ["imports done", "fit starts", "train function starts", "training starts", "training ends",
+                   "validation ends", "fit returns", "process exits"]
 #: The points of each launcher's timeline, in the order they come.
 POINTS = {
-    "lockstep": ["imports done", "fit starts", "train function starts", "training starts", "training ends",
-                 "validation ends", "fit returns", "process exits"],
+    "lockstep": LOCKSTEP_POINTS,
+    "lockstep_cold": LOCKSTEP_POINTS,
     "torchrun": ["imports done", "process group ready", "training starts", "training ends", "validation ends",
                  "work done", "process exits"],
 }
@@ -74,10 +83,31 @@ def markdown(medians: dict[str, dict[str, float]], rounds: int) -> str:
     return "\n".join(lines)
 
 
+def training_phases(samples: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Each lockstep variant's training phase over torchrun's: ratio of the medians and its interval."""
+    phases = {key: [run["training ends"] - run["training starts"] for run in runs] for key, runs in samples.items()}
+    compared = {}
+    for key in ("lockstep", "lockstep_cold"):
+        ratio, interval = ratio_of_medians(phases[key], phases["torchrun"])
+        compared[key] = {"median_s": statistics.median(phases[key]), "ratio": ratio, "ci95": interval}
+    return {"phases_s": phases, "torchrun_median_s": statistics.median(phases["torchrun"]), "over_torchrun": compared}
+
+
+def training_markdown(training: dict[str, Any]) -> str:
+    lines = ["Training phase (training starts -> training ends), over torchrun + DDP's "
+             f"({training['torchrun_median_s']:.2f} s median):", "",
+             "| variant | median (s) | ratio of medians | 95% CI |", "|---|---:|---:|---:|"]
+    for variant in LAUNCHERS[:2]:
+        entry = training["over_torchrun"][variant.key]
+        lines.append(f"| {variant.label} | {entry['median_s']:.2f} | {entry['ratio']:.3f} | "
+                     f"{entry['ci95'][0]:.3f} – {entry['ci95'][1]:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--data-dir", required=True, help="Fashion-MNIST root (torchvision layout)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="one round: a check that it works, not a measurement")
     add_results_args(parser)
     args = parser.parse_args(argv)
@@ -95,10 +125,11 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
     medians = {key: {point: statistics.median(run[point] for run in runs) for point in POINTS[key]}
                for key, runs in samples.items()}
+    training = training_phases(samples)
     text = "\n".join([machine_line(machine), f"Command: `{shlex.join([sys.executable, *sys.argv])}`", "",
-                      markdown(medians, args.rounds)])
+                      markdown(medians, args.rounds), training_markdown(training)])
     print(text)
-    document: dict[str, Any] = {"samples": samples, "medians": medians}
+    document: dict[str, Any] = {"samples": samples, "medians": medians, "training": training}
     path = write_result(args.results_dir, "timeline", shlex.join(["python", *sys.argv]), machine, args.quick,
                         document, [], text)
     if path is not None:
