@@ -171,7 +171,7 @@ def test_a_rogue_peer_with_a_ranks_credential_runs_nothing_on_the_local_executor
 
 def rank_1_claims_rank_0_train_func(config: dict[str, Any]) -> None:
     """Rank 1 sends a pickled broadcast for rank 0 on its own (real) channel."""
-    from lockstep.context import current_session
+    from lockstep._internal.session_state import current_session
 
     if lockstep.get_context().get_world_rank() == 1:
         session = current_session()

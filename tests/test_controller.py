@@ -16,8 +16,8 @@ import pytest
 from lockstep._internal import protocol
 from lockstep._internal.checkpoint_commits import CheckpointCommits
 from lockstep._internal.controller import Controller
-from lockstep._internal.executors import GroupFactory
-from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.worker_group import GroupFactory
+from lockstep._internal.worker_group import WorkerExited, WorkerGroup
 from lockstep._internal.failures import AttemptOutcome, FailureKind
 from lockstep._internal.listeners import Listeners
 from lockstep._internal.liveness import Liveness, RestartPolicy

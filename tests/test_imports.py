@@ -1,15 +1,25 @@
-"""lockstep's modules import each other without cycles.
+"""lockstep's modules import each other without cycles, and the light entry points stay light.
 
-Every import of a ``lockstep`` module counts, at module level or inside a function (a lazy
-import hides a cycle from Python, not from the design); imports under ``if TYPE_CHECKING:`` are
-left out, since they never run.
+Every import of a ``lockstep`` module counts: at module level, inside a function (a lazy import
+hides a cycle from Python, not from the design) and under ``if TYPE_CHECKING:`` (a type-only
+import is still a dependency of the design). So do package ``__init__`` files: importing
+``lockstep.torch.train_loop_utils`` runs ``lockstep/torch/__init__.py`` first, so the importer
+depends on that package and on what it imports. A module's own ancestor packages are left out
+(they are already being imported when it runs), and so are edges to the root package
+``lockstep`` (every import starts there).
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO_ROOT
 
@@ -44,15 +54,10 @@ def is_type_checking_block(node: ast.AST) -> bool:
 
 
 def import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement in ``tree``, at any depth, except in the body of a TYPE_CHECKING
-    block (its ``else:`` branch runs, so it counts)."""
+    """Every import statement in ``tree``, at any depth (TYPE_CHECKING blocks included)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        if is_type_checking_block(node):
-            for child in node.orelse:
-                yield from import_nodes(ast.Module(body=[child], type_ignores=[]))
-            continue
         yield from import_nodes(node)
 
 
@@ -67,13 +72,18 @@ def absolute_base(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
 
 
 def imported_modules(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The lockstep modules one import statement loads (only the named module, not its parents)."""
+    """The lockstep modules one import statement loads: the named modules and the packages on
+    their way, less the root package and ``importer``'s own ancestors (see the module docstring)."""
     if isinstance(node, ast.Import):
         names = {alias.name for alias in node.names}
     else:
         base = absolute_base(node, importer, is_package)
         names = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
-    return {name for name in names if name in modules}
+    loaded = {name for name in names if name in modules}
+    ancestors = {".".join(importer.split(".")[:depth]) for depth in range(1, importer.count(".") + 1)}
+    for name in list(loaded):
+        loaded |= {".".join(name.split(".")[:depth]) for depth in range(2, name.count(".") + 1)}
+    return {name for name in loaded if name in modules and name != PACKAGE and name not in ancestors}
 
 
 def import_graph() -> Graph:
@@ -166,8 +176,9 @@ def test_lockstep_has_no_import_cycles() -> None:
     )
 
 
-def test_the_graph_sees_lazy_relative_and_from_imports_but_not_type_checking_ones() -> None:
-    modules = {"lockstep", "lockstep.a", "lockstep.b", "lockstep.sub", "lockstep.sub.c", "lockstep.sub.d"}
+def test_the_graph_sees_lazy_relative_from_type_checking_and_package_imports() -> None:
+    modules = {"lockstep", "lockstep.a", "lockstep.b", "lockstep.sub", "lockstep.sub.c", "lockstep.sub.d",
+               "lockstep.other", "lockstep.other.e"}
     source = (
         "from typing import TYPE_CHECKING\n"
         "import lockstep.a\n"
@@ -175,15 +186,33 @@ def test_the_graph_sees_lazy_relative_and_from_imports_but_not_type_checking_one
         "if TYPE_CHECKING:\n"
         "    import lockstep.b\n"
         "def later():\n"
-        "    from lockstep.sub import helper\n"
+        "    from lockstep.other.e import helper\n"
     )
     found: set[str] = set()
     for node in import_nodes(ast.parse(source)):
         found |= imported_modules(node, "lockstep.sub.c", False, modules)
-    assert found == {"lockstep.a", "lockstep.sub.d", "lockstep.sub"}
+    # lockstep.other is loaded on the way to lockstep.other.e; lockstep.sub (c's own package) and
+    # the root package are not counted
+    assert found == {"lockstep.a", "lockstep.b", "lockstep.sub.d", "lockstep.other", "lockstep.other.e"}
 
 
 def test_every_group_of_modules_importing_each_other_is_reported() -> None:
     graph: Graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_cycles(graph) == [["a", "b", "c", "a"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+LIGHT_ENTRY_POINTS = ("lockstep", "lockstep._internal.worker", "lockstep.context")
+DRIVER_STACK = ("lockstep._internal.driver", "lockstep._internal.controller", "lockstep.trainer",
+                "lockstep._internal.executors")
+
+
+@pytest.mark.parametrize("entry_point", LIGHT_ENTRY_POINTS)
+def test_the_light_entry_points_do_not_load_the_driver_stack(entry_point: str) -> None:
+    probe = (f"import sys, {entry_point}\n"
+             "import json; print(json.dumps(sorted(name for name in sys.modules if name.startswith('lockstep'))))")
+    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "LOCKSTEP_WARM_START": "0"}, check=True)
+    loaded = json.loads(completed.stdout)
+    assert not [name for name in loaded if name.startswith(DRIVER_STACK)], (
+        f"importing {entry_point} loads the driver stack: {loaded}")

@@ -19,7 +19,7 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-from lockstep._internal.executors.base import GroupSpec
+from lockstep._internal.worker_group import GroupSpec
 from lockstep._internal.executors.ray import assign_ranks, rank_env
 from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
 from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle

@@ -239,7 +239,7 @@ class _Unpicklable(Exception):
 
 def test_a_driver_that_cannot_go_on_is_a_controller_error(tmp_path: Path) -> None:
     from lockstep._internal.controller import Controller
-    from lockstep._internal.executors import GroupFactory
+    from lockstep._internal.worker_group import GroupFactory
     from lockstep._internal.run_record import RunRecorder
     from lockstep._internal.storage import RunStorage
 

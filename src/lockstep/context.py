@@ -9,14 +9,12 @@ These functions work only inside a train function that lockstep runs; elsewhere 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.session_state import active_session
+from lockstep._internal.train_context import CheckpointUploadMode, TrainContext
 from lockstep.checkpoint import Checkpoint
-from lockstep.errors import SessionNotActiveError
 from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointStatus: importable from here too
     CheckpointConsistencyMode,
     ReportedCheckpoint,
@@ -25,103 +23,10 @@ from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointSta
 
 if TYPE_CHECKING:
     from lockstep._internal.checkpoint_upload import UploadFn
-    from lockstep._internal.worker_session import WorkerSession
     from lockstep.preemption import PreemptionInfo
 
 
-class CheckpointUploadMode(enum.Enum):
-    """How ``report()`` persists a checkpoint.
 
-    SYNC: the files are in storage when ``report()`` returns. ASYNC: ``report()`` returns once
-    they are staged locally; they are uploaded in the background, in order, and the checkpoint
-    counts (``Result.checkpoint``, ``get_checkpoint()``) once every rank's upload is done.
-    NO_UPLOAD: the checkpoint is already where it should stay; it is registered at its path.
-    """
-
-    SYNC = "SYNC"
-    ASYNC = "ASYNC"
-    NO_UPLOAD = "NO_UPLOAD"
-
-
-@dataclass(frozen=True)
-class TrainContext:
-    """Who this rank is in the run. Get it with :func:`lockstep.get_context` in a train function."""
-
-    world_rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    experiment_name: str
-    storage: RunStorage
-    metadata: dict[str, Any] = field(default_factory=dict)
-    gpu_ids: tuple[str, ...] = ()
-
-    def get_world_rank(self) -> int:
-        """This worker's rank among all workers (0 … world_size-1)."""
-        return self.world_rank
-
-    def get_world_size(self) -> int:
-        """How many workers the run has."""
-        return self.world_size
-
-    def get_local_rank(self) -> int:
-        """This worker's rank among the workers on its node."""
-        return self.local_rank
-
-    def get_local_world_size(self) -> int:
-        """How many workers run on this worker's node."""
-        return self.local_world_size
-
-    def get_node_rank(self) -> int:
-        """The index of this worker's node."""
-        return self.node_rank
-
-    def get_experiment_name(self) -> str:
-        """The run's name (``RunConfig.name``)."""
-        return self.experiment_name
-
-    def get_trial_name(self) -> str:
-        """The run's name (kept for Ray Train compatibility)."""
-        return self.experiment_name
-
-    def get_storage(self) -> RunStorage:
-        """The run folder: ``.run_path``, ``.filesystem``, ``.display_path``."""
-        return self.storage
-
-    def get_metadata(self) -> dict[str, Any]:
-        """The ``metadata`` dict given to the trainer."""
-        return dict(self.metadata)
-
-
-# -- the session of this process -----------------------------------------------------------------
-
-_session: WorkerSession | None = None
-
-
-def set_session(session: WorkerSession | None) -> None:
-    """Install (or clear) this process's worker session. Called by the worker runtime."""
-    global _session
-    _session = session
-
-
-def current_session() -> WorkerSession | None:
-    """The session of the train function running in this process, or None outside one."""
-    return _session
-
-
-def active_session(caller: str) -> WorkerSession:
-    """The session of the train function running in this process.
-
-    Raises:
-        SessionNotActiveError: called outside a train function run by lockstep.
-    """
-    if _session is None:
-        raise SessionNotActiveError(
-            f"lockstep.{caller}() works only inside the train function that TorchTrainer.fit() runs; "
-            "call it from train_loop_per_worker."
-        )
-    return _session
 
 
 def report(

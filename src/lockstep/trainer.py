@@ -87,8 +87,10 @@ class DataParallelTrainer:
         """
         executor = choose_executor(self.scaling_config, self._ray_datasets, self.dataset_config.should_split)
         storage = self._run_storage(executor.run_name(self.run_config.name, type(self).__name__))
-        driver = RunDriver(storage, self.run_config, self.scaling_config, self.resume_from_checkpoint is not None)
-        return executor.launch(self._job(storage), driver)
+        scaling = executor.run_scaling(self.scaling_config)
+        driver = RunDriver(storage, self.run_config, scaling, self.resume_from_checkpoint is not None)
+        with executor.reserve(storage.name):
+            return executor.launch(self._job(storage), driver)
 
     def _run_storage(self, name: str) -> RunStorage:
         storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH

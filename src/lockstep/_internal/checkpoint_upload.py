@@ -22,7 +22,7 @@ from lockstep._internal.storage import CheckpointEntry, RunStorage
 from lockstep.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
-    from lockstep.context import TrainContext
+    from lockstep._internal.train_context import TrainContext
 
 logger = logging.getLogger(__name__)
 

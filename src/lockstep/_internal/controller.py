@@ -29,7 +29,7 @@ from lockstep._internal import protocol
 from lockstep._internal.checkpoint_commits import CheckpointCommits, agreed_dir_name
 from lockstep._internal.checkpoints import best_checkpoints
 from lockstep._internal.collectives import CollectiveBarrier
-from lockstep._internal.executors.base import GroupFactory, WorkerExited, WorkerGroup
+from lockstep._internal.worker_group import GroupFactory, WorkerExited, WorkerGroup
 from lockstep._internal.failures import AttemptOutcome
 from lockstep._internal.listeners import Listeners
 from lockstep._internal.liveness import Liveness, RestartPolicy

@@ -6,33 +6,27 @@ preemption notice and SIGHUP ends the run as interrupted (see
 
 Several fits may run at once from threads of one process (an Optuna study with ``n_jobs=2``):
 each has its own driver, workers, record and listeners. Signal handlers are only installed by a
-fit driven on the main thread. Local mode (``num_workers=0``) runs the train function in this
-very process, with the process's one ``report()`` session, so only one such fit may run at once.
+fit driven on the main thread. The driver never asks which executor runs: what differs per
+executor (local mode's claim of the process, the local workers' CPUs, the scaling the run
+records) ``fit()`` asks of the executor (:class:`lockstep._internal.executors.base.Executor`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from contextlib import AbstractContextManager, nullcontext
 
 from lockstep._internal.controller import Controller
-from lockstep._internal.executors.base import GroupFactory
-from lockstep._internal.executors.local_resources import cpus_in_use
 from lockstep._internal.listeners import listeners_for
 from lockstep._internal.preemption import Preemption, driver_signals
 from lockstep._internal.run_record import RunRecorder
 from lockstep._internal.storage import RunStorage, check_storage_path, storage_errors
+from lockstep._internal.worker_group import GroupFactory
 from lockstep._internal.worker_output import ConsoleMode
 from lockstep.callbacks import RunInfo
 from lockstep.config import DEFAULT_STORAGE_PATH, RunConfig, ScalingConfig
 from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
-
-LOCAL_MODE = "local_mode"
-_local_mode_lock = threading.Lock()
-_local_mode_run: str | None = None  # the local-mode run driven in this process now, if any
 
 
 class RunDriver:
@@ -41,7 +35,7 @@ class RunDriver:
     Args:
         storage: The run folder.
         run_config: The run's settings (failures, checkpoints, callbacks, output).
-        scaling: The run's workers.
+        scaling: The run's workers (as the executor runs them: see ``Executor.run_scaling``).
         has_resume_checkpoint: Whether the trainer got a ``resume_from_checkpoint`` (the ranks
             start from it while the run has no checkpoint of its own).
     """
@@ -62,16 +56,6 @@ class RunDriver:
         Raises:
             ValueError: the storage can't hold the run, or the run can't be continued.
         """
-        if make_group.executor == LOCAL_MODE:
-            claim_local_mode(self.storage.name)
-        try:
-            return self._prepare(make_group, restarts)
-        except BaseException:
-            if make_group.executor == LOCAL_MODE:
-                release_local_mode()
-            raise
-
-    def _prepare(self, make_group: GroupFactory, restarts: bool) -> Controller:
         storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
         with storage_errors(storage_path):
             check_storage_path(storage_path, self.storage)
@@ -92,45 +76,12 @@ class RunDriver:
     def drive(self, controller: Controller) -> Result:
         """Run ``controller`` to the end of the run; the logs go to storage either way."""
         try:
-            with driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))), \
-                    self._counting_cpus(controller.make_group):
+            with driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))):
                 return controller.run()
         finally:
-            if controller.make_group.executor == LOCAL_MODE:
-                release_local_mode()
             self.storage.upload_logs(self.log_dir)
-
-    def _counting_cpus(self, make_group: GroupFactory) -> AbstractContextManager[None]:
-        """Local workers' CPUs, counted with those of other fits running at once."""
-        if make_group.executor != "local":
-            return nullcontext()
-        return cpus_in_use(self.scaling.max_workers * self.scaling.num_cpus_per_worker)
 
     def run(self, make_group: GroupFactory, restarts: bool = True) -> Result:
         """:meth:`prepare`, then :meth:`drive`."""
         return self.drive(self.prepare(make_group, restarts))
 
-
-def claim_local_mode(run_name: str) -> None:
-    """Make ``run_name`` the one local-mode run of this process.
-
-    Raises:
-        ValueError: another local-mode fit runs in this process now (from another thread).
-    """
-    global _local_mode_run
-    with _local_mode_lock:
-        if _local_mode_run is not None:
-            raise ValueError(
-                f"Run {run_name!r}: local mode (ScalingConfig(num_workers=0)) runs the train function in this process, "
-                f"and run {_local_mode_run!r} already does so from another thread; two at once would share one "
-                "report()/get_context() session. Run them one after the other (Optuna: n_jobs=1), or give each "
-                "worker processes (num_workers=1 or more)."
-            )
-        _local_mode_run = run_name
-
-
-def release_local_mode() -> None:
-    """The local-mode run of this process ended."""
-    global _local_mode_run
-    with _local_mode_lock:
-        _local_mode_run = None

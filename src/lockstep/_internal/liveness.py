@@ -8,7 +8,7 @@ import signal
 import time
 from typing import Callable
 
-from lockstep._internal.executors.base import WorkerExited
+from lockstep._internal.worker_group import WorkerExited
 from lockstep._internal.failures import AttemptOutcome, FailureKind
 from lockstep.errors import TrainingFailedError, WorkerFailure, WorkerGroupError
 

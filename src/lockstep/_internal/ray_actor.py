@@ -127,7 +127,7 @@ class RunLeftovers:
             if os.environ.get(name) != value:
                 os.environ[name] = value
         sys.path[:] = self.path
-        from lockstep.context import set_session
+        from lockstep._internal.session_state import set_session
 
         set_session(None)
         torch = sys.modules.get("torch")

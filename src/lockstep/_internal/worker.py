@@ -120,7 +120,8 @@ def run_rank(
 
     from lockstep._internal import protocol
     from lockstep._internal.worker_session import WorkerSession
-    from lockstep.context import TrainContext, set_session
+    from lockstep._internal.session_state import set_session
+    from lockstep._internal.train_context import TrainContext
     from lockstep.data import RayDataShard, shard_datasets
 
     torch.set_num_threads(rank_env.threads)

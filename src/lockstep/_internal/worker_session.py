@@ -16,7 +16,7 @@ from lockstep._internal.checkpoint_upload import CheckpointUploader, Upload, Upl
 from lockstep._internal.step_timing import CLOCK
 from lockstep._internal.storage import RESERVED_NAMES
 from lockstep.checkpoint import Checkpoint
-from lockstep.context import CheckpointUploadMode, TrainContext
+from lockstep._internal.train_context import CheckpointUploadMode, TrainContext
 from lockstep.preemption import PreemptionInfo
 from lockstep.reported_checkpoint import ReportedCheckpoint
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, get_context, report
 from lockstep.lightning._package import environments_module, trainer_module
-from lockstep.torch import get_device
+from lockstep._internal.torch_devices import get_device
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -14,38 +14,29 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lockstep._internal.deprecated import removed_function
-from lockstep._internal.devices import cuda_visible_devices
+from lockstep._internal.torch_devices import _map_tensors, get_device, get_devices, move_to_device
 from lockstep._internal.step_timing import timed_batches, with_all_reduce_timing
-from lockstep.context import current_session
+from lockstep._internal.session_state import current_session
 from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "accelerate",
+    "backward",
+    "enable_reproducibility",
+    "get_device",
+    "get_devices",
+    "move_to_device",
+    "prepare_data_loader",
+    "prepare_model",
+    "prepare_optimizer",
+]
+
 PARALLEL_STRATEGIES = ("ddp", "fsdp", None)
 
 
-# -- devices -------------------------------------------------------------------------------------
-
-
-def get_devices() -> list[torch.device]:
-    """The devices of this worker: one ``cuda:i`` per GPU assigned to it, else ``[cpu]``.
-
-    ``i`` is the GPU's position in ``CUDA_VISIBLE_DEVICES``, so the mapping is right even when
-    several workers share a node's GPU list (and when GPUs are named by UUID).
-    """
-    session = current_session()
-    gpu_ids = session.context.gpu_ids if session is not None else ()
-    if not gpu_ids or not torch.cuda.is_available():
-        return [torch.device("cpu")]
-    visible = cuda_visible_devices()
-    if visible is None:
-        return [torch.device("cuda", int(gpu_id)) for gpu_id in gpu_ids]
-    return [torch.device("cuda", visible.index(gpu_id)) for gpu_id in gpu_ids]
-
-
-def get_device() -> torch.device:
-    """This worker's device: its first GPU, or the CPU when it has none."""
-    return get_devices()[0]
+# -- devices: lockstep._internal.torch_devices ---------------------------------------------------
 
 
 def _world() -> tuple[int, int]:
@@ -56,24 +47,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """``batch`` with every tensor in it (inside tuples, lists, dicts, named tuples) on ``device``."""
-    return _map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
-
-
-def _map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``batch`` rebuilt with ``function`` applied to each tensor in it."""
-    if isinstance(batch, torch.Tensor):
-        return function(batch)
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _map_tensors(value, function) for key, value in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_map_tensors(item, function) for item in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(item, function) for item in batch)
-    return batch
 
 
 # -- model ---------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from lockstep._internal import warm_start
-from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec
+from lockstep._internal.executors.base import Executor
+from lockstep._internal.worker_group import GroupSpec
 from lockstep._internal.rank_env import launched_by_launcher
 from lockstep.config import ScalingConfig
 

@@ -1,131 +1,22 @@
-"""What every executor implements: an :class:`Executor` (how a run's ranks start and how the
-run is driven from this process) and its :class:`WorkerGroup` (start a group of ranks, hand the
-controller what they say, answer them, stop them)."""
+"""What every executor implements: an :class:`Executor`, how a run's ranks start and how the
+run is driven from this process (its worker groups implement
+:class:`lockstep._internal.worker_group.WorkerGroup`). What differs per executor and matters to
+the run as a whole (the run's name, the scaling it runs with, what it holds while the run goes
+on) is asked of the executor by ``fit()``; the driver and the controller never name one."""
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
-
-import cloudpickle
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 from lockstep._internal.run_names import default_run_name
-from lockstep.errors import TrainingFailedError
 
 if TYPE_CHECKING:
     from lockstep._internal.driver import RunDriver
     from lockstep._internal.payload import TrainJob
-    from lockstep._internal.protocol import Finished
+    from lockstep.config import ScalingConfig
     from lockstep.result import Result
-
-
-@dataclass(frozen=True)
-class WorkerExited:
-    """A worker process ended (``returncode`` as ``subprocess`` gives it: negative = signal).
-    ``cause`` is the executor's own account of why, when it has one (e.g. Ray's)."""
-
-    rank: int
-    returncode: int
-    cause: str | None = None
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """What the controller asks an executor for."""
-
-    num_workers: int
-    cpus_per_worker: float
-    gpus_per_worker: float
-    use_gpu: bool
-    resources_per_worker: dict[str, float]
-    log_dir: str | None = None
-    console: str = "rank0"
-    placement_strategy: str = "PACK"
-    accelerator_type: str | None = None
-    placement_timeout_s: float = 60.0
-
-
-class WorkerGroup(abc.ABC):
-    """A running group of ``num_workers`` ranks.
-
-    Events are the worker messages of :mod:`lockstep._internal.protocol` plus
-    :class:`WorkerExited`.
-    """
-
-    @abc.abstractmethod
-    def start(self) -> None:
-        """Launch every worker (in parallel)."""
-
-    @abc.abstractmethod
-    def wait_events(self, timeout: float | None) -> list[Any]:
-        """Block until at least one event is available (or ``timeout`` passes) and return them."""
-
-    @abc.abstractmethod
-    def send(self, rank: int, message: Any) -> None:
-        """Send one driver message to a rank."""
-
-    def output_tail(self, rank: int) -> str:
-        """The last lines ``rank`` wrote to stderr, and where its full log is."""
-        return ""
-
-    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """The current Python stack of each rank in ``ranks`` (those that can tell)."""
-        return {}
-
-    def return_value(self, finished: Finished) -> Any:
-        """Rank 0's return value, from its Finished message (pickled by a worker this group
-        started and authenticated)."""
-        return cloudpickle.loads(finished.return_value) if finished.return_value is not None else None
-
-    @abc.abstractmethod
-    def stop(self) -> None:
-        """Kill every worker and whatever it started; idempotent."""
-
-
-@dataclass(frozen=True)
-class GroupFactory:
-    """Starts one worker group per attempt with the executor named ``executor``: of
-    ``max_workers`` workers, or for an elastic run as many as ``capacity()`` (how many workers
-    the resources hold now) allows, at least ``min_workers``."""
-
-    executor: str
-    start_group: Callable[[int], WorkerGroup]
-    min_workers: int
-    max_workers: int
-    capacity: Callable[[], int] | None = None
-
-    @property
-    def elastic(self) -> bool:
-        """Whether the group's size follows the resources."""
-        return self.min_workers != self.max_workers and self.capacity is not None
-
-    def size_now(self) -> int:
-        """The size of the next group.
-
-        Raises:
-            TrainingFailedError: an elastic run's resources hold fewer than ``min_workers``.
-        """
-        if not self.elastic:
-            return self.max_workers
-        fits = min(self.max_workers, self._capacity())
-        if fits < self.min_workers:
-            raise TrainingFailedError(
-                f"The resources hold {fits} worker(s) now, fewer than the {self.min_workers} that "
-                f"ScalingConfig(num_workers=({self.min_workers}, {self.max_workers})) needs at least."
-            )
-        return fits
-
-    def can_grow(self, current: int) -> bool:
-        """Whether an elastic run of ``current`` workers could have more now."""
-        return self.elastic and current < self.max_workers and min(self.max_workers, self._capacity()) > current
-
-    def _capacity(self) -> int:
-        assert self.capacity is not None
-        return self.capacity()
-
-    def __call__(self, size: int) -> WorkerGroup:
-        return self.start_group(size)
 
 
 class Executor(abc.ABC):
@@ -140,6 +31,20 @@ class Executor(abc.ABC):
     def run_name(self, configured: str | None, trainer_name: str) -> str:
         """The run's name: ``RunConfig.name``, else a new default one."""
         return configured or default_run_name(trainer_name)
+
+    def run_scaling(self, scaling: ScalingConfig) -> ScalingConfig:
+        """The scaling the run records and is driven with (the trainer's, unless the executor
+        runs another shape)."""
+        return scaling
+
+    def reserve(self, run_name: str) -> AbstractContextManager[None]:
+        """What this executor holds in this process while run ``run_name`` goes on (nothing,
+        unless it says otherwise).
+
+        Raises:
+            ValueError: the executor can't run it now (said before any rank starts).
+        """
+        return nullcontext()
 
     @abc.abstractmethod
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lockstep._internal import channel, protocol
-from lockstep._internal.executors.base import WorkerExited, WorkerGroup
+from lockstep._internal.worker_group import WorkerExited, WorkerGroup
 from lockstep._internal.failures import FailureKind
 from lockstep._internal.link_watch import LOST_EXIT_CODE, lost_link_cause
 from lockstep._internal.worker_output import ConsoleMode, OutputRelay
@@ -119,6 +119,10 @@ class WorkerConnections:
                     self._lost[rank] = cause
         connection.close()
 
+    def peer_host(self, rank: int) -> str:
+        """The address ``rank`` connected from ("?" when it never connected)."""
+        return self._peers.get(rank, "?")
+
     def take_lost(self) -> dict[int, str]:
         """The ranks whose host stopped answering since the last call, each with what to say
         of it (see :mod:`lockstep._internal.link_watch`)."""
@@ -201,12 +205,13 @@ class ChannelGroup(WorkerGroup):
 class AttachedGroup(ChannelGroup):
     """Ranks that something else started (torchrun's processes, or this very process in local
     mode), as the controller sees them: it starts and stops nothing; a rank whose channel
-    closes has ended (``exit_cause`` says so). Rank 0's return value is handed over in this
-    process, never read from the network."""
+    closes has ended (``exit_cause`` says so, with the rank's host when ``name_hosts``). Rank 0's
+    return value is handed over in this process, never read from the network."""
 
-    def __init__(self, host: str, world_size: int, exit_cause: str) -> None:
+    def __init__(self, host: str, world_size: int, exit_cause: str, name_hosts: bool = False) -> None:
         super().__init__(host, world_size)
         self.exit_cause = exit_cause
+        self.name_hosts = name_hosts
         self._seen: set[int] = set()
         self._ended: set[int] = set()
         self._return_value: Any = None
@@ -221,7 +226,8 @@ class AttachedGroup(ChannelGroup):
         self._ended |= {event.rank for event in events if isinstance(event, WorkerExited)}
         for rank in sorted(self._seen - self._ended - self._channels.connected_ranks()):
             self._ended.add(rank)
-            events.append(WorkerExited(rank, 0, self.exit_cause))
+            host = f" (host {self._channels.peer_host(rank)})" if self.name_hosts else ""
+            events.append(WorkerExited(rank, 0, self.exit_cause + host))
         return events
 
     def keep_return_value(self, value: Any) -> None:

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from lockstep._internal import network, protocol
 from lockstep._internal.channel import ENV_AUTHKEY, connect_to_driver, rank_credential
 from lockstep._internal.config_checks import check_run_name
-from lockstep._internal.executors.base import Executor, GroupFactory
+from lockstep._internal.executors.base import Executor
+from lockstep._internal.worker_group import GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.shared_secret import read_secret, remove_secret, write_secret
 from lockstep._internal.link_watch import LOST_EXIT_CODE, STUCK_GRACE_S, DriverWatch
@@ -40,7 +41,7 @@ from lockstep._internal.preemption import RANK_HANGUP, HangUp, Preemption, Preem
 from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.run_names import default_run_name
 from lockstep._internal.worker import run_to_outcome
-from lockstep.context import current_session
+from lockstep._internal.session_state import current_session
 from lockstep.errors import ControllerError, PreemptionError, WorkerGroupError, error_class_named
 
 if TYPE_CHECKING:
@@ -151,7 +152,8 @@ class ExternalExecutor(Executor):
 
     def _drive_and_run_rank_0(self, job: TrainJob, driver: RunDriver) -> Result:
         size = self.launch_info.world_size
-        group = AttachedGroup("0.0.0.0", size, "its process closed its channel to rank 0 (it exited or crashed)")
+        group = AttachedGroup("0.0.0.0", size, "its process closed its channel to rank 0: it exited or crashed",
+                              name_hosts=True)
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, size, size), restarts=False)
             secret_file = write_secret(job.storage, group.listener.secret)
@@ -331,6 +333,9 @@ def await_channel(launch: Launch, store: Any, storage: RunStorage) -> dict[str, 
     try:
         secret = read_secret(storage, str(entry.get("secret_file")))
     except (ValueError, FileNotFoundError) as error:
+        if isinstance(error, FileNotFoundError) and store.check([launch.key("end")]):  # rank 0 removed it: the run ended
+            await_end(launch, store)
+            raise ControllerError(f"The run ended before rank {launch.rank} could connect to it.") from error
         raise ControllerError(f"rank {launch.rank} can't open its channel to rank 0: {error}") from error
     return {ENV_DRIVER_ADDRESS: str(entry["address"]), ENV_AUTHKEY: rank_credential(secret, launch.rank).hex()}
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import protocol
 from lockstep._internal.channel import WorkerChannel, connect_to_driver
-from lockstep._internal.executors.base import Executor, GroupFactory
+from lockstep._internal.executors.base import Executor
+from lockstep._internal.worker_group import GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.external import ControllerThread
 from lockstep._internal.preemption import Preemption, PreemptionStop, rank_signals
@@ -65,6 +67,14 @@ class InlineExecutor(Executor):
         self.use_gpu = scaling.use_gpu
         self.ray_datasets = dict(ray_datasets)
 
+    def run_scaling(self, scaling: ScalingConfig) -> ScalingConfig:
+        """One worker: the train function in this process."""
+        return dataclasses.replace(scaling, num_workers=1)
+
+    def reserve(self, run_name: str) -> AbstractContextManager[None]:
+        """This process's one local-mode run (see :func:`claim_local_mode`)."""
+        return local_mode_claimed(run_name)
+
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:
         """Run the train function here while a thread drives the run; return the Result.
 
@@ -76,7 +86,6 @@ class InlineExecutor(Executor):
         if driver.run_config.failure_config.max_failures != 0:
             logger.info("Local mode (num_workers=0) does not restart a failed train function: "
                         "FailureConfig.max_failures is not used.")
-        driver.scaling = dataclasses.replace(driver.scaling, num_workers=1)
         group = AttachedGroup(LOOPBACK, 1, "the train function's channel closed before it finished")
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, 1, 1), restarts=False)
@@ -98,7 +107,7 @@ class InlineExecutor(Executor):
         Return the KeyboardInterrupt (or alike: a SIGHUP's HangUp, after ``preemption`` told the
         controller) that stopped it, to raise once the run is recorded."""
         from lockstep._internal.worker import describe_failure, run_rank
-        from lockstep.context import set_session
+        from lockstep._internal.session_state import set_session
 
         channel = connect_to_driver(0, group.listener.worker_env(0))
         interrupted: BaseException | None = None
@@ -164,3 +173,40 @@ def _send_last(channel: WorkerChannel, outcome: Any) -> None:
         pass  # the controller already stopped (its own failure is raised instead)
     finally:
         channel.close()
+
+
+_local_mode_lock = threading.Lock()
+_local_mode_run: str | None = None  # the local-mode run driven in this process now, if any
+
+
+@contextmanager
+def local_mode_claimed(run_name: str) -> Iterator[None]:
+    """While ``run_name`` runs: it is this process's one local-mode run (see :func:`claim_local_mode`)."""
+    claim_local_mode(run_name)
+    try:
+        yield
+    finally:
+        release_local_mode()
+def claim_local_mode(run_name: str) -> None:
+    """Make ``run_name`` the one local-mode run of this process.
+
+    Raises:
+        ValueError: another local-mode fit runs in this process now (from another thread).
+    """
+    global _local_mode_run
+    with _local_mode_lock:
+        if _local_mode_run is not None:
+            raise ValueError(
+                f"Run {run_name!r}: local mode (ScalingConfig(num_workers=0)) runs the train function in this process, "
+                f"and run {_local_mode_run!r} already does so from another thread; two at once would share one "
+                "report()/get_context() session. Run them one after the other (Optuna: n_jobs=1), or give each "
+                "worker processes (num_workers=1 or more)."
+            )
+        _local_mode_run = run_name
+
+
+def release_local_mode() -> None:
+    """The local-mode run of this process ended."""
+    global _local_mode_run
+    with _local_mode_lock:
+        _local_mode_run = None

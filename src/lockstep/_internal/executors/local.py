@@ -18,15 +18,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import warm_start
 from lockstep._internal.python_path import worker_pythonpath
 from lockstep._internal.devices import usable_gpu_ids
-from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.executors.base import Executor
+from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
-from lockstep._internal.executors.local_resources import check_local_resources, local_capacity
+from lockstep._internal.executors.local_resources import check_local_resources, cpus_in_use, local_capacity
 from lockstep._internal.payload import TrainJob, serialize_payload
 from lockstep._internal.rank_env import RankEnv, threads_for
 from lockstep._internal.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
@@ -89,6 +91,10 @@ class LocalExecutor(Executor):
         check_local_resources(spec if scaling.elastic else replace(spec, num_workers=scaling.max_workers))
         self.spec = spec
         self.min_workers, self.max_workers = scaling.min_workers, scaling.max_workers
+
+    def reserve(self, run_name: str) -> AbstractContextManager[None]:
+        """The workers' CPUs, counted with those of other local fits running at once."""
+        return cpus_in_use(self.max_workers * self.spec.cpus_per_worker)
 
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:
         """Serialize the job once, then let the driver run attempts of fresh processes."""

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lockstep._internal.executors.base import GroupSpec
+from lockstep._internal.worker_group import GroupSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from lockstep._internal import protocol
-from lockstep._internal.executors.base import Executor, GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.executors.base import Executor
+from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.ray_drain import DrainWatcher
 from lockstep._internal.python_path import user_python_path

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep._internal.executors.base import GroupSpec
+from lockstep._internal.worker_group import GroupSpec
 from lockstep._internal.rank_env import RankEnv, threads_for
 from lockstep._internal.ray_actor import WorkerPlace
 from lockstep.errors import TrainingFailedError

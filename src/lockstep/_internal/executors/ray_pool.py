@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep._internal.executors.base import GroupSpec
+from lockstep._internal.worker_group import GroupSpec
 
 logger = logging.getLogger(__name__)
 
