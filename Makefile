@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test bench bench-quick install clean
+.PHONY: demo test bench bench-quick install clean docs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ bench-quick: install
 	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)
 	$(PY) benchmarks/timeline.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
+
+# make docs: the documentation site (mkdocs.yml, docs/*.md, the API reference from the docstrings)
+# into build/site, with --strict. Installs the docs extra into .venv when it is missing.
+docs: install
+	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PY) -m pip install --quiet -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

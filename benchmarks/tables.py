@@ -1,4 +1,4 @@
-"""Write the benchmark tables in benchmarks/README.md and README.md from benchmarks/results/.
+"""Write the benchmark tables in benchmarks/README.md and docs/performance.md from benchmarks/results/.
 
 Each block between ``<!-- tables:NAME begin -->`` and ``<!-- tables:NAME end -->`` is replaced:
 
@@ -6,7 +6,8 @@ Each block between ``<!-- tables:NAME begin -->`` and ``<!-- tables:NAME end -->
   its statistic, figure and verdict) and ``tables:KIND`` for each kind (``jobs``, ``checkpoint``,
   ``ray``, ``step``, ``payload``): the tables that script printed, with the file, command, date
   and commit they come from;
-* in README.md, ``tables:performance``: the headline rows of every kind, each with its source.
+* in docs/performance.md (the documentation site's Performance page), ``tables:performance``:
+  the headline rows of every kind, each with its source.
 
 Only the newest results file of each kind is used (by its UTC date); results of ``--quick`` runs
 and of partial runs (``--only`` or ``--targets`` leaving out a section) are left out unless
@@ -27,6 +28,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from record import Goal  # noqa: E402 - benchmarks/ is the script folder
 KINDS = {
     "jobs": "bench_jobs.py",
     "timeline": "timeline.py",
@@ -83,14 +87,14 @@ def goals_block(newest: dict[str, tuple[Path, dict[str, Any]]]) -> str:
             unit = f" {goal['unit']}" if goal["unit"] else ""
             ci = f"{goal['ci95'][0]:.3f} – {goal['ci95'][1]:.3f}" if goal.get("ci95") else "–"
             lines.append(f"| {goal['name']} {sign} {goal['limit']:.3f}{unit} | {goal['statistic']} | "
-                         f"{goal['value']:.3f}{unit} | {ci} | {goal['verdict']} | `{path.name}` |")
+                         f"{goal['value']:.3f}{unit} | {ci} | {Goal.from_dict(goal).verdict} | `{path.name}` |")
     if len(lines) == 2:
         return "_No results in benchmarks/results/ yet: run `make bench`._"
     return "\n".join(lines)
 
 
 def performance_block(newest: dict[str, tuple[Path, dict[str, Any]]]) -> str:
-    """The top-level README's table: the headline rows of every kind, then their sources."""
+    """The table of docs/performance.md: the headline rows of every kind, then their sources."""
     lines = ["| | lockstep | compared with | ratio | source |", "|---|---:|---:|---:|---|"]
     sources = []
     for index, kind in enumerate(KINDS, start=1):
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     newest = load_newest(args.results_dir, args.include_quick)
     blocks = {HERE / "README.md": {"goals": goals_block(newest), **{kind: kind_block(kind, newest) for kind in KINDS}},
-              REPO / "README.md": {"performance": performance_block(newest)}}
+              REPO / "docs" / "performance.md": {"performance": performance_block(newest)}}
     changed = []
     for path, contents in blocks.items():
         text = path.read_text()
