@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test bench bench-quick install clean docs
+.PHONY: demo test lint bench bench-quick install clean docs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ demo: install
 
 test: install
 	LOCKSTEP_DATA=$(DATA) $(PY) -m pytest
+
+# make lint: ruff (lint rules and format, complexity <= 10) and mypy on src/, configured in
+# pyproject.toml; zero findings expected. CI runs it before the tests.
+lint: install
+	$(PY) -m ruff check src
+	$(PY) -m ruff format --check src
+	$(PY) -m mypy
 
 # make bench: about 25 minutes on 2 CPUs (benchmarks/README.md); every script writes its raw
 # results into benchmarks/results/, and tables.py then writes the README tables from them.

@@ -52,6 +52,7 @@ __version__ = "0.1.0"
 #: The key of the training dataset in ``datasets=`` (Ray Train's constant).
 TRAIN_DATASET_KEY = "train"
 
+
 def release_kept_actors() -> None:
     """Release now the Ray actors (and placement group) that lockstep keeps, idle, between the
     fits of this driver for the next ``fit()`` of the same shape; they are otherwise released

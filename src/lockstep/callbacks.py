@@ -16,6 +16,7 @@ Example:
     ...             print(f"report {index}: new best loss {self.best:.4f}")
     >>> run_config = RunConfig(callbacks=[PrintBest(), CSVLogger()])
 """
+
 from __future__ import annotations
 
 import difflib
@@ -36,9 +37,21 @@ from lockstep._internal.callback_base import (
 from lockstep._internal.loggers import CSVLogger, JSONLogger, MLflowLogger, TensorBoardLogger
 
 __all__ = [
-    "STOP_STATUSES", "AttemptReason", "AttemptStart", "CSVLogger", "Callback", "EarlyStopping", "JSONLogger",
-    "MLflowLogger", "RunInfo", "StopRequest", "StopStatus", "TensorBoardLogger", "check_callbacks",
-    "misspelled_hooks", "numeric_metrics",
+    "STOP_STATUSES",
+    "AttemptReason",
+    "AttemptStart",
+    "CSVLogger",
+    "Callback",
+    "EarlyStopping",
+    "JSONLogger",
+    "MLflowLogger",
+    "RunInfo",
+    "StopRequest",
+    "StopStatus",
+    "TensorBoardLogger",
+    "check_callbacks",
+    "misspelled_hooks",
+    "numeric_metrics",
 ]
 
 logger = logging.getLogger(__name__)
@@ -60,17 +73,22 @@ class EarlyStopping(Callback):
         >>> RunConfig(callbacks=[EarlyStopping("val_loss", mode="min", patience=3)])
     """
 
-    def __init__(self, metric: str, mode: Literal["min", "max"] = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+    def __init__(
+        self, metric: str, mode: Literal["min", "max"] = "min", patience: int = 3, min_delta: float = 0.0
+    ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping(mode={mode!r}): use 'min' (lower is better) or 'max'.")
         if not isinstance(patience, int) or patience < 1:
             raise ValueError(f"EarlyStopping(patience={patience!r}): use a whole number of reports, 1 or more.")
         if not isinstance(min_delta, numbers.Real) or min_delta < 0:
             raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): use a number >= 0.")
-        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, float(min_delta)
+        self.metric: str = metric
+        self.mode: Literal["min", "max"] = mode
+        self.patience: int = patience
+        self.min_delta: float = float(min_delta)
         self.best: float | None = None
         self.best_index: int | None = None
-        self.waited = 0
+        self.waited: int = 0
 
     def on_run_start(self, run: RunInfo) -> None:
         self.best, self.best_index, self.waited = None, None, 0
@@ -84,8 +102,10 @@ class EarlyStopping(Callback):
             return
         self.waited += 1
         if self.waited >= self.patience:
-            run.request_stop(f"EarlyStopping: {self.metric} did not improve for {self.patience} reports "
-                             f"(best {self.best:.6g} at report #{self.best_index})")
+            run.request_stop(
+                f"EarlyStopping: {self.metric} did not improve for {self.patience} reports "
+                f"(best {self.best:.6g} at report #{self.best_index})"
+            )
 
     def _improves(self, value: float) -> bool:
         assert self.best is not None
@@ -112,8 +132,12 @@ def check_callbacks(callbacks: list[Any]) -> None:
                 "MLflowLogger) or subclass lockstep.callbacks.Callback."
             )
         for name, hook in misspelled_hooks(type(callback)).items():
-            logger.warning("%s.%s is not a Callback hook, so it is never called: did you mean %s?",
-                           type(callback).__name__, name, hook)
+            logger.warning(
+                "%s.%s is not a Callback hook, so it is never called: did you mean %s?",
+                type(callback).__name__,
+                name,
+                hook,
+            )
 
 
 def misspelled_hooks(cls: type[Callback]) -> dict[str, str]:

@@ -6,7 +6,8 @@ import contextlib
 import json
 import os
 import shutil
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 
@@ -37,7 +38,7 @@ class Checkpoint:
         self.filesystem, self.path = filesystems.resolve_filesystem(path, filesystem)
 
     @classmethod
-    def from_directory(cls, path: str | os.PathLike[str]) -> "Checkpoint":
+    def from_directory(cls, path: str | os.PathLike[str]) -> Checkpoint:
         """A checkpoint for an existing local folder.
 
         Raises:

@@ -1,8 +1,8 @@
 """The ``lockstep`` command: list, show and plot runs kept in storage (local paths or URIs).
 
-    lockstep runs [STORAGE]                      # default ~/lockstep_results
-    lockstep show RUN                            # a run folder, or a run name in --storage
-    lockstep plot RUN [RUN ...] [--metric M ...] -o curves.png   # several runs: overlaid
+lockstep runs [STORAGE]                      # default ~/lockstep_results
+lockstep show RUN                            # a run folder, or a run name in --storage
+lockstep plot RUN [RUN ...] [--metric M ...] -o curves.png   # several runs: overlaid
 """
 
 from __future__ import annotations
@@ -92,13 +92,19 @@ def runs_table(runs: list[StoredRun]) -> str:
     for run, record in runs:
         reports = run.read_reports()
         last_metrics = reports[-1]["metrics"] if reports else None
-        rows.append((
-            record.get("name", run.name), shown_status(record), str(len(reports)),
-            metrics_text(last_metrics, limit=60) if last_metrics else "-", str(len(record.get("checkpoints", []))),
-            run.display_path,
-        ))
+        rows.append(
+            (
+                record.get("name", run.name),
+                shown_status(record),
+                str(len(reports)),
+                metrics_text(last_metrics, limit=60) if last_metrics else "-",
+                str(len(record.get("checkpoints", []))),
+                run.display_path,
+            )
+        )
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
@@ -114,7 +120,8 @@ def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
         f"created:      {record.get('created_at', '?')}   last update: {record.get('updated_at', '-')}",
         f"workers:      {record.get('world_size', '?')} ({record.get('executor', 'local')} executor)",
         f"reports:      {len(result.metrics_history)}   failures: {result.num_failures}",
-        f"checkpoints:  {len(record.get('checkpoints', []))} kept; latest: {result.checkpoint.path if result.checkpoint else '-'}",
+        f"checkpoints:  {len(record.get('checkpoints', []))} kept; "
+        f"latest: {result.checkpoint.path if result.checkpoint else '-'}",
         "",
     ]
     frame = result.metrics_dataframe
@@ -139,8 +146,11 @@ def plotted_metrics(history: list[dict[str, Any]]) -> list[str]:
     """Metric names with a number in at least one report (in first-seen order)."""
     names: dict[str, None] = {}
     for row in history:
-        names.update(dict.fromkeys(numeric_metrics({key: value for key, value in row.items()
-                                                    if key not in ("report_index", "timestamp")})))
+        names.update(
+            dict.fromkeys(
+                numeric_metrics({key: value for key, value in row.items() if key not in ("report_index", "timestamp")})
+            )
+        )
     return list(names)
 
 
@@ -183,18 +193,26 @@ def plot_runs(runs: Sequence[StoredRun], metrics: Sequence[str] | None, output: 
 
     histories = [[history_row(report) for report in run.read_reports()] for run, _ in runs]
     chosen = list(metrics or plotted_metrics(histories[0]))
-    for (run, _), history in zip(runs, histories):
+    for (run, _), history in zip(runs, histories, strict=True):
         available = plotted_metrics(history)
         unknown = [name for name in chosen if name not in available]
         if unknown or not chosen:
-            raise ValueError(f"no numeric metric {unknown or ''} in {run.display_path}; it has: {', '.join(available) or 'none'}.")
-    figure, axes = plt.subplots(len(chosen), 1, figsize=(7, 2.6 * len(chosen) + 0.4 * (len(runs) > 1)),
-                                sharex=True, squeeze=False)
-    for axis, name in zip(axes[:, 0], chosen):
-        for (run, record), history in zip(runs, histories):
+            raise ValueError(
+                f"no numeric metric {unknown or ''} in {run.display_path}; it has: {', '.join(available) or 'none'}."
+            )
+    figure, axes = plt.subplots(
+        len(chosen), 1, figsize=(7, 2.6 * len(chosen) + 0.4 * (len(runs) > 1)), sharex=True, squeeze=False
+    )
+    for axis, name in zip(axes[:, 0], chosen, strict=True):
+        for (run, record), history in zip(runs, histories, strict=True):
             points = [(row["report_index"], row[name]) for row in history if isinstance(row.get(name), (int, float))]
-            axis.plot([index for index, _ in points], [value for _, value in points], marker="o", markersize=3,
-                      label=_run_label(run, record))
+            axis.plot(
+                [index for index, _ in points],
+                [value for _, value in points],
+                marker="o",
+                markersize=3,
+                label=_run_label(run, record),
+            )
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("report")
@@ -229,7 +247,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     plot = commands.add_parser("plot", help="draw metrics against the report index (several runs: overlaid)")
     plot.add_argument("run", nargs="+", help="run folders (paths or URIs), or run names in --storage")
     plot.add_argument("--storage", default=DEFAULT_STORAGE_PATH)
-    plot.add_argument("--metric", "-m", action="append", help="a metric to draw (repeat it; default: every numeric one)")
+    plot.add_argument(
+        "--metric", "-m", action="append", help="a metric to draw (repeat it; default: every numeric one)"
+    )
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
     return parser.parse_args(argv)
 

@@ -83,6 +83,9 @@ def _pickled(data: object) -> bytes:
             "(numbers, strings, lists, dicts) or another picklable object."
         ) from error
     if len(payload) > BROADCAST_WARN_BYTES:
-        logger.warning("broadcast_from_rank_zero(): %d bytes pickled; it is meant for small objects (for tensors "
-                       "use torch.distributed.broadcast).", len(payload))
+        logger.warning(
+            "broadcast_from_rank_zero(): %d bytes pickled; it is meant for small objects (for tensors "
+            "use torch.distributed.broadcast).",
+            len(payload),
+        )
     return payload

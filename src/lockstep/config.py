@@ -161,22 +161,31 @@ class FailureConfig:
 
     def __post_init__(self) -> None:
         config_checks.check_fail_fast(self.fail_fast, self.max_failures)
-        if isinstance(self.preemption_grace_s, bool) or not isinstance(self.preemption_grace_s, (int, float)) \
-                or self.preemption_grace_s < 0:
+        if (
+            isinstance(self.preemption_grace_s, bool)
+            or not isinstance(self.preemption_grace_s, (int, float))
+            or self.preemption_grace_s < 0
+        ):
             raise ValueError(
                 f"FailureConfig.preemption_grace_s must be a number of seconds >= 0, got {self.preemption_grace_s!r}."
             )
-        if isinstance(self.max_preemption_failures, bool) or not isinstance(self.max_preemption_failures, int) \
-                or self.max_preemption_failures < -1:
+        if (
+            isinstance(self.max_preemption_failures, bool)
+            or not isinstance(self.max_preemption_failures, int)
+            or self.max_preemption_failures < -1
+        ):
             raise ValueError(
-                f"FailureConfig.max_preemption_failures must be an int >= 0, or -1; got {self.max_preemption_failures!r}."
+                "FailureConfig.max_preemption_failures must be an int >= 0, or -1; got "
+                f"{self.max_preemption_failures!r}."
             )
         if self.report_timeout_s is not None and (
-            isinstance(self.report_timeout_s, bool) or not isinstance(self.report_timeout_s, (int, float))
+            isinstance(self.report_timeout_s, bool)
+            or not isinstance(self.report_timeout_s, (int, float))
             or self.report_timeout_s <= 0
         ):
             raise ValueError(
-                f"FailureConfig.report_timeout_s must be a number of seconds > 0 or None, got {self.report_timeout_s!r}."
+                "FailureConfig.report_timeout_s must be a number of seconds > 0 or None, "
+                f"got {self.report_timeout_s!r}."
             )
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < -1:
             raise ValueError(
@@ -319,11 +328,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         valid = self.datasets_to_split == "all" or (
-            isinstance(self.datasets_to_split, (list, tuple)) and all(isinstance(n, str) for n in self.datasets_to_split)
+            isinstance(self.datasets_to_split, (list, tuple))
+            and all(isinstance(n, str) for n in self.datasets_to_split)
         )
         if not valid:
             raise ValueError(
-                f"DataConfig.datasets_to_split must be 'all' or a list of dataset names, got {self.datasets_to_split!r}."
+                "DataConfig.datasets_to_split must be 'all' or a list of dataset names, "
+                f"got {self.datasets_to_split!r}."
             )
 
     def should_split(self, name: str) -> bool:

@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from lockstep.preemption import PreemptionInfo
 
 
-
-
-
 def report(
     metrics: Mapping[str, Any],
     checkpoint: Checkpoint | None = None,
@@ -66,8 +63,11 @@ def report(
             folder inside it.
     """
     mode = CheckpointUploadMode(checkpoint_upload_mode)
-    delete_local = mode is CheckpointUploadMode.ASYNC if delete_local_checkpoint_after_upload is None else bool(
-        delete_local_checkpoint_after_upload)
+    delete_local = (
+        mode is CheckpointUploadMode.ASYNC
+        if delete_local_checkpoint_after_upload is None
+        else bool(delete_local_checkpoint_after_upload)
+    )
     active_session("report").report(metrics, checkpoint, checkpoint_dir_name, mode, checkpoint_upload_fn, delete_local)
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import builtins
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lockstep.preemption import PreemptionInfo
@@ -85,7 +86,7 @@ class WorkerError(Exception):
         self.traceback = failure.traceback
 
     @classmethod
-    def from_failure(cls, failure: WorkerFailure) -> "WorkerError":
+    def from_failure(cls, failure: WorkerFailure) -> WorkerError:
         """The stand-in for ``failure``'s exception (an instance of the built-in class it names,
         when it names one)."""
         try:
@@ -138,13 +139,15 @@ class TrainingFailedError(RuntimeError):
     @classmethod
     def from_failures(
         cls, failures: list[WorkerFailure], context: str = "", stacks: dict[int, str] | None = None
-    ) -> "TrainingFailedError":
+    ) -> TrainingFailedError:
         """Build the error shown to the user from the failures of one attempt, with the Python
         stacks of the ranks that were still running (where they were stuck)."""
         ranks = ", ".join(str(failure.rank) for failure in failures)
         lines = [f"Training failed on rank {ranks}{context}."]
         lines += [failure.describe() for failure in failures]
-        lines += [f"rank {rank} was still running, here:\n{stack.rstrip()}" for rank, stack in sorted((stacks or {}).items())]
+        lines += [
+            f"rank {rank} was still running, here:\n{stack.rstrip()}" for rank, stack in sorted((stacks or {}).items())
+        ]
         return cls("\n\n".join(lines), {failure.rank: failure for failure in failures})
 
 

@@ -42,7 +42,8 @@ def _import_optuna() -> Any:
         return importlib.import_module("optuna")
     except ImportError as error:
         raise ImportError(
-            "lockstep.optuna needs Optuna, which is not installed: pip install 'lockstep[optuna]' (or pip install optuna)."
+            "lockstep.optuna needs Optuna, which is not installed: pip install 'lockstep[optuna]' "
+            "(or pip install optuna)."
         ) from error
 
 
@@ -81,5 +82,8 @@ class PruningCallback(Callback):
     def _warn_missing(self, metrics: dict[str, Any]) -> None:
         if not self._warned:
             self._warned = True
-            logger.warning("PruningCallback: the report has no number %r (it has %s); the trial is told nothing "
-                           "of such reports.", self.metric, ", ".join(metrics) or "nothing")
+            logger.warning(
+                "PruningCallback: the report has no number %r (it has %s); the trial is told nothing of such reports.",
+                self.metric,
+                ", ".join(metrics) or "nothing",
+            )

@@ -46,7 +46,7 @@ class Result:
     metrics_history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
-    def metrics_dataframe(self) -> "pandas.DataFrame | None":
+    def metrics_dataframe(self) -> pandas.DataFrame | None:
         """One row per report: the metrics plus ``report_index``, ``timestamp`` and
         ``checkpoint_dir_name``; None when nothing was reported."""
         if not self.metrics_history:
@@ -72,7 +72,7 @@ class Result:
         return pick(scored, key=lambda pair: pair[0])[1]
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str], storage_filesystem: Any = None) -> "Result":
+    def from_path(cls, path: str | os.PathLike[str], storage_filesystem: Any = None) -> Result:
         """Read a finished, failed or interrupted run back from its folder (local path or URI).
 
         Raises:

@@ -35,12 +35,8 @@ get_trial_dir = removed_function(
     "pass the folder you want in train_loop_config; the run's own folder is "
     "lockstep.get_context().get_storage().display_path.",
 )
-get_trial_id = removed_function(
-    "session.get_trial_id", "lockstep.get_context().get_experiment_name() names the run."
-)
-get_run_id = removed_function(
-    "session.get_run_id", "lockstep.get_context().get_experiment_name() names the run."
-)
+get_trial_id = removed_function("session.get_trial_id", "lockstep.get_context().get_experiment_name() names the run.")
+get_run_id = removed_function("session.get_run_id", "lockstep.get_context().get_experiment_name() names the run.")
 get_trial_resources = removed_function(
     "session.get_trial_resources",
     "pass what the train function needs from ScalingConfig.resources_per_worker in train_loop_config; "
@@ -86,4 +82,3 @@ def get_metadata() -> dict[str, Any]:
 def get_trial_name() -> str:
     """The run's name (Ray Tune's trial name has no separate meaning here)."""
     return get_context().get_trial_name()
-

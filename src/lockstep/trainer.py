@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
-from typing import Any, Callable
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from lockstep._internal.driver import RunDriver
 from lockstep._internal.executors import choose_executor, is_ray_dataset
@@ -68,7 +69,9 @@ class DataParallelTrainer:
         self.run_config = run_config or RunConfig()
         self.datasets = dict(datasets or {})
         self._ray_datasets = {name: dataset for name, dataset in self.datasets.items() if is_ray_dataset(dataset)}
-        self._torch_datasets = {name: dataset for name, dataset in self.datasets.items() if name not in self._ray_datasets}
+        self._torch_datasets = {
+            name: dataset for name, dataset in self.datasets.items() if name not in self._ray_datasets
+        }
         self.dataset_config = dataset_config or DataConfig()
         self.metadata = dict(metadata or {})
         self.resume_from_checkpoint = resume_from_checkpoint
@@ -93,7 +96,7 @@ class DataParallelTrainer:
             return executor.launch(self._job(storage), driver)
 
     def _run_storage(self, name: str) -> RunStorage:
-        storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
+        storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)
         with storage_errors(storage_path):
             return RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
 
@@ -120,7 +123,8 @@ def _check_train_fn(train_fn: Any) -> None:
     except (TypeError, ValueError):
         return
     required = [
-        parameter.name for parameter in parameters
+        parameter.name
+        for parameter in parameters
         if parameter.default is inspect.Parameter.empty
         and parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
@@ -148,12 +152,15 @@ def _check_datasets(datasets: dict[str, Any], config: DataConfig, num_workers: i
                 "some workers would get nothing. Use fewer workers or more data."
             )
         if len(dataset) % num_workers:
-            logger.info("datasets[%r]: the last %d items are left out so every worker gets %d.",
-                        name, len(dataset) % num_workers, len(dataset) // num_workers)
+            logger.info(
+                "datasets[%r]: the last %d items are left out so every worker gets %d.",
+                name,
+                len(dataset) % num_workers,
+                len(dataset) // num_workers,
+            )
 
 
 def check_type(name: str, value: Any, expected: type, description: str) -> None:
     """Raise ValueError unless ``value`` is None or an ``expected``."""
     if value is not None and not isinstance(value, expected):
         raise ValueError(f"{name} must be {description}, got {type(value).__name__}.")
-

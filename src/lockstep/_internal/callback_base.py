@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 from lockstep.checkpoint import Checkpoint
 
-
 #: How a run that was asked to stop is recorded: ``"stopped"``, or ``"pruned"`` (a search
 #: library such as Optuna gave up on it).
 StopStatus = Literal["stopped", "pruned"]
@@ -131,6 +130,7 @@ class Callback:
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The metrics that are numbers (bools left out), as floats."""
     return {
-        key: float(value) for key, value in metrics.items()
+        key: float(value)
+        for key, value in metrics.items()
         if isinstance(value, numbers.Real) and not isinstance(value, bool)
     }

@@ -124,8 +124,11 @@ class DriverListener:
     def worker_env(self, rank: int) -> dict[str, str]:
         """The environment variables rank ``rank`` needs to connect back: the address and its own credential."""
         host, port = self.address
-        return {ENV_DRIVER_ADDRESS: f"{host}:{port}", ENV_AUTHKEY: rank_credential(self._secret, rank).hex(),
-                ENV_DRIVER_PID: str(os.getpid())}
+        return {
+            ENV_DRIVER_ADDRESS: f"{host}:{port}",
+            ENV_AUTHKEY: rank_credential(self._secret, rank).hex(),
+            ENV_DRIVER_PID: str(os.getpid()),
+        }
 
     def close(self) -> None:
         """Stop accepting workers."""
@@ -185,9 +188,11 @@ def connect_to_driver(rank: int, env: Mapping[str, str] = os.environ) -> WorkerC
 
 
 def _refused_message(rank: int, host: str, port: str, error: BaseException) -> str:
-    return (f"the driver at {host}:{port} refused rank {rank}'s channel, or could not prove it is the driver "
-            f"({type(error).__name__}: {error or 'connection closed'}); another process may have connected as "
-            f"rank {rank} already, or {ENV_AUTHKEY} is not this rank's credential")
+    return (
+        f"the driver at {host}:{port} refused rank {rank}'s channel, or could not prove it is the driver "
+        f"({type(error).__name__}: {error or 'connection closed'}); another process may have connected as "
+        f"rank {rank} already, or {ENV_AUTHKEY} is not this rank's credential"
+    )
 
 
 def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:

@@ -44,7 +44,8 @@ class CheckpointCommits:
         """Report ``index`` (every rank's ``calls``) named checkpoint ``dir_name``."""
         with_checkpoint = [call for call in calls if call.checkpoint_dir_name is not None]
         uploading = {
-            call.rank for call in with_checkpoint
+            call.rank
+            for call in with_checkpoint
             if call.checkpoint_state == "uploading" and (index, call.rank) not in self.uploaded_early
         }
         external = next((call.external_path for call in with_checkpoint if call.external_path), None)

@@ -132,10 +132,7 @@ class CheckpointUploader:
 
     def submit(self, index: int, checkpoint: Checkpoint, job: Upload) -> None:
         """Stage ``checkpoint`` for report ``index``; its upload starts at :meth:`start_staged`."""
-        if checkpoint.is_local:
-            staged = _private_copy(checkpoint.path)
-        else:
-            staged = checkpoint.to_directory()
+        staged = _private_copy(checkpoint.path) if checkpoint.is_local else checkpoint.to_directory()
         self._staged.append((index, job, staged))
 
     def start_staged(self) -> None:

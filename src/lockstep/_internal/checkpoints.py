@@ -22,7 +22,7 @@ def best_checkpoints(entries: list[CheckpointEntry], config: CheckpointConfig) -
     ``entries`` are in commit order; of two with the same score, the later one ranks higher.
     """
     ranked = sorted(entries, key=lambda entry: _score(entry, config))  # stable: ties stay in report order
-    return ranked if config.num_to_keep is None else ranked[-config.num_to_keep:]
+    return ranked if config.num_to_keep is None else ranked[-config.num_to_keep :]
 
 
 def checkpoints_to_delete(entries: list[CheckpointEntry], config: CheckpointConfig) -> list[CheckpointEntry]:

@@ -43,7 +43,8 @@ class CollectiveBarrier:
         first = self.waiting[min(self.waiting)]
         return [
             _mismatch(call.rank, f"called {_describe(call)} while rank {first.rank} waits in {_describe(first)}")
-            for call in self.waiting.values() if (call.seq, call.op) != (first.seq, first.op)
+            for call in self.waiting.values()
+            if (call.seq, call.op) != (first.seq, first.op)
         ]
 
     def left_behind(self, finished: Collection[int]) -> list[WorkerFailure]:
@@ -52,9 +53,12 @@ class CollectiveBarrier:
             return []
         first = self.waiting[min(self.waiting)]
         return [
-            _mismatch(rank, f"returned from the train function while rank(s) {_ranks(self.waiting)} wait in "
-                            f"{_describe(first)}")
-            for rank in sorted(finished) if rank not in self.waiting
+            _mismatch(
+                rank,
+                f"returned from the train function while rank(s) {_ranks(self.waiting)} wait in {_describe(first)}",
+            )
+            for rank in sorted(finished)
+            if rank not in self.waiting
         ]
 
     def deadlocked(self, in_report: Iterable[int], report_index: int | None) -> list[WorkerFailure]:
@@ -65,16 +69,18 @@ class CollectiveBarrier:
             return []
         first = self.waiting[min(self.waiting)]
         return [
-            _mismatch(rank, f"waits in report #{report_index} while rank(s) {_ranks(self.waiting)} wait in "
-                            f"{_describe(first)}")
+            _mismatch(
+                rank, f"waits in report #{report_index} while rank(s) {_ranks(self.waiting)} wait in {_describe(first)}"
+            )
             for rank in sorted(reporting)
         ]
 
 
 def _mismatch(rank: int, what: str) -> WorkerFailure:
     return FailureKind.REPORT_MISMATCH.failure(
-        rank, f"{what}; every rank must call report(), barrier() and broadcast_from_rank_zero() in the same order "
-              "and the same number of times.",
+        rank,
+        f"{what}; every rank must call report(), barrier() and broadcast_from_rank_zero() in the same order "
+        "and the same number of times.",
     )
 
 

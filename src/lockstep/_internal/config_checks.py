@@ -21,7 +21,11 @@ _RUN_NAME_FORBIDDEN = re.compile(r"[/\\]|^\.\.?$|\.\.")
 def check_num_workers(num_workers: Any) -> None:
     """``ScalingConfig.num_workers``: an int >= 0 (0: local mode) or a (min, max) pair."""
     if isinstance(num_workers, (tuple, list)):
-        if len(num_workers) != 2 or not all(_is_int_at_least(count, 1) for count in num_workers) or num_workers[0] > num_workers[1]:
+        if (
+            len(num_workers) != 2
+            or not all(_is_int_at_least(count, 1) for count in num_workers)
+            or num_workers[0] > num_workers[1]
+        ):
             raise ValueError(
                 f"ScalingConfig.num_workers=(min, max) needs two ints with 1 <= min <= max, got {num_workers!r}; "
                 "for local mode (the train function in this process) pass num_workers=0."
@@ -35,7 +39,7 @@ def check_num_workers(num_workers: Any) -> None:
 
 
 def _is_int_at_least(value: Any, least: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= least
 
 
 def check_resources(field_name: str, resources: dict[str, float] | None) -> None:
@@ -48,9 +52,7 @@ def check_resources(field_name: str, resources: dict[str, float] | None) -> None
         if not isinstance(key, str):
             raise ValueError(f"ScalingConfig.{field_name} keys must be strings, got {key!r}.")
         if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or math.isnan(amount) or amount < 0:
-            raise ValueError(
-                f"ScalingConfig.{field_name}[{key!r}] must be a number >= 0, got {amount!r}."
-            )
+            raise ValueError(f"ScalingConfig.{field_name}[{key!r}] must be a number >= 0, got {amount!r}.")
 
 
 def check_ray_only_placement(label_selector: Any, use_tpu: Any, topology: Any) -> None:
@@ -112,8 +114,9 @@ def storage_path_from_local_dir(storage_path: Any, local_dir: Any) -> Any:
             f"RunConfig got storage_path={storage_path!r} and local_dir={local_dir!r}: local_dir is the old "
             "name of storage_path. Pass storage_path only."
         )
-    warnings.warn("RunConfig(local_dir=...) is the old name of storage_path=; use storage_path.",
-                  DeprecationWarning, stacklevel=4)
+    warnings.warn(
+        "RunConfig(local_dir=...) is the old name of storage_path=; use storage_path.", DeprecationWarning, stacklevel=4
+    )
     return local_dir
 
 
@@ -185,15 +188,22 @@ def check_placement(scaling: Any) -> None:
 def check_executor_fields(scaling: Any) -> None:
     """``ScalingConfig``: the executor, Ray address, accelerator type and placement timeout."""
     if scaling.executor not in EXECUTORS:
-        raise ValueError(f"ScalingConfig.executor={scaling.executor!r} is unknown; choose one of {', '.join(EXECUTORS)}.")
+        raise ValueError(
+            f"ScalingConfig.executor={scaling.executor!r} is unknown; choose one of {', '.join(EXECUTORS)}."
+        )
     if scaling.ray_address is not None and not (isinstance(scaling.ray_address, str) and scaling.ray_address):
         raise ValueError(
-            f"ScalingConfig.ray_address must be a non-empty string like 'auto' or 'host:6379', got {scaling.ray_address!r}."
+            "ScalingConfig.ray_address must be a non-empty string like 'auto' or 'host:6379', got "
+            f"{scaling.ray_address!r}."
         )
     if scaling.ray_address is not None and scaling.executor == "local":
         raise ValueError("ScalingConfig: ray_address is set but executor='local'; drop one of them.")
-    if scaling.accelerator_type is not None and not (isinstance(scaling.accelerator_type, str) and scaling.accelerator_type):
-        raise ValueError(f"ScalingConfig.accelerator_type must be a name like 'A100', got {scaling.accelerator_type!r}.")
+    if scaling.accelerator_type is not None and not (
+        isinstance(scaling.accelerator_type, str) and scaling.accelerator_type
+    ):
+        raise ValueError(
+            f"ScalingConfig.accelerator_type must be a name like 'A100', got {scaling.accelerator_type!r}."
+        )
     timeout = scaling.placement_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"ScalingConfig.placement_timeout_s must be a number of seconds > 0, got {timeout!r}.")

@@ -4,13 +4,12 @@ instead."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 
 def _fail(name: str, replacement: str) -> NoReturn:
-    raise DeprecationWarning(
-        f"{name} is deprecated in Ray Train and not provided by lockstep. Instead: {replacement}"
-    )
+    raise DeprecationWarning(f"{name} is deprecated in Ray Train and not provided by lockstep. Instead: {replacement}")
 
 
 def removed_function(name: str, replacement: str) -> Callable[..., NoReturn]:

@@ -14,6 +14,7 @@ records) ``fit()`` asks of the executor (:class:`lockstep._internal.executors.ba
 from __future__ import annotations
 
 import logging
+import os
 
 from lockstep._internal.controller import Controller
 from lockstep._internal.listeners import listeners_for
@@ -40,8 +41,9 @@ class RunDriver:
             start from it while the run has no checkpoint of its own).
     """
 
-    def __init__(self, storage: RunStorage, run_config: RunConfig, scaling: ScalingConfig,
-                 has_resume_checkpoint: bool) -> None:
+    def __init__(
+        self, storage: RunStorage, run_config: RunConfig, scaling: ScalingConfig, has_resume_checkpoint: bool
+    ) -> None:
         self.storage = storage
         self.run_config = run_config
         self.scaling = scaling
@@ -56,20 +58,30 @@ class RunDriver:
         Raises:
             ValueError: the storage can't hold the run, or the run can't be continued.
         """
-        storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
+        storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)
         with storage_errors(storage_path):
             check_storage_path(storage_path, self.storage)
-            recorder = RunRecorder(self.storage, self.run_config.checkpoint_config, self.scaling.max_workers,
-                                   make_group.executor)
+            recorder = RunRecorder(
+                self.storage, self.run_config.checkpoint_config, self.scaling.max_workers, make_group.executor
+            )
             recorder.check_resumable()
             recorder.open()
-        logger.info("Run %s: %s workers (%s executor), results in %s", self.storage.name, self.scaling.num_workers,
-                    make_group.executor, self.storage.display_path)
+        logger.info(
+            "Run %s: %s workers (%s executor), results in %s",
+            self.storage.name,
+            self.scaling.num_workers,
+            make_group.executor,
+            self.storage.display_path,
+        )
         run_info = RunInfo(self.storage.name, self.storage.display_path, self.scaling.max_workers, self.log_dir)
         failure_config = self.run_config.failure_config
         return Controller(
-            make_group, recorder, failure_config.max_failures if restarts else 0, self.has_resume_checkpoint,
-            failure_config.report_timeout_s, listeners_for(self.run_config, run_info),
+            make_group,
+            recorder,
+            failure_config.max_failures if restarts else 0,
+            self.has_resume_checkpoint,
+            failure_config.report_timeout_s,
+            listeners_for(self.run_config, run_info),
             Preemption(failure_config.preemption_grace_s),
         )
 
@@ -84,4 +96,3 @@ class RunDriver:
     def run(self, make_group: GroupFactory, restarts: bool = True) -> Result:
         """:meth:`prepare`, then :meth:`drive`."""
         return self.drive(self.prepare(make_group, restarts))
-

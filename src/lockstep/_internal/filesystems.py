@@ -119,7 +119,7 @@ def download_directory(filesystem: fsspec.AbstractFileSystem, source: str, local
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
         return
     for remote in filesystem.find(source):
-        relative = remote[len(source.rstrip("/")) + 1:]
+        relative = remote[len(source.rstrip("/")) + 1 :]
         local = os.path.join(local_dir, *relative.split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
         filesystem.get_file(remote, local)

@@ -71,8 +71,10 @@ def lost_link_cause(error: BaseException, peer: str) -> str | None:
     host stopped answering (None for other errors: a closed or reset connection)."""
     if not isinstance(error, OSError) or error.errno not in _LOST_ERRNOS:
         return None
-    return (f"lost: its host {peer} has not answered for {LINK_TIMEOUT_S:g} s ({error.strerror or error}); "
-            "the network to it is cut or the machine is gone")
+    return (
+        f"lost: its host {peer} has not answered for {LINK_TIMEOUT_S:g} s ({error.strerror or error}); "
+        "the network to it is cut or the machine is gone"
+    )
 
 
 class DriverWatch:
@@ -98,8 +100,9 @@ class DriverWatch:
         self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self._done.set()
 
     def _watch(self) -> None:
@@ -113,8 +116,12 @@ class DriverWatch:
         logger.error(
             "rank %d: the channel to the driver at %s is gone, and this rank's train function has not ended %g s "
             "later (it is most likely waiting in a collective for a rank on a lost host). This process exits now "
-            "(code %d); the driver's error names the lost rank(s).", self.rank, self.driver, self.grace_s,
-            LOST_EXIT_CODE)
+            "(code %d); the driver's error names the lost rank(s).",
+            self.rank,
+            self.driver,
+            self.grace_s,
+            LOST_EXIT_CODE,
+        )
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(LOST_EXIT_CODE)

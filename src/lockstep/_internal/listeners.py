@@ -13,8 +13,8 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lockstep._internal.metrics_text import metrics_text
 from lockstep._internal.progress import ProgressCallback, log_clear_of_line
@@ -89,8 +89,12 @@ class Listeners:
             hook(self.run, *args)
         except Exception:  # noqa: BLE001 - a logger's failure must not end the training
             log_clear_of_line(
-                logger, logging.ERROR, "Callback %s failed in %s; it is switched off for the rest of the run:\n%s",
-                type(listener).__name__, hook.__name__, traceback.format_exc(),
+                logger,
+                logging.ERROR,
+                "Callback %s failed in %s; it is switched off for the rest of the run:\n%s",
+                type(listener).__name__,
+                hook.__name__,
+                traceback.format_exc(),
             )
             self.callbacks.remove(listener)
 
@@ -115,16 +119,28 @@ class LogLines(Callback):
         resume_from = attempt.checkpoint.path if attempt.checkpoint else "the start"
         if attempt.reason == "restart":
             allowed = "unlimited" if attempt.max_failures < 0 else str(attempt.max_failures)
-            log_clear_of_line(logger, logging.WARNING, "Restarting the workers (failure %d of %s allowed), from %s.",
-                              attempt.failures, allowed, resume_from)
+            log_clear_of_line(
+                logger,
+                logging.WARNING,
+                "Restarting the workers (failure %d of %s allowed), from %s.",
+                attempt.failures,
+                allowed,
+                resume_from,
+            )
         elif attempt.reason == "grow":
-            log_clear_of_line(logger, logging.WARNING, "More workers fit now: restarting with %d, from %s.",
-                              attempt.world_size, resume_from)
+            log_clear_of_line(
+                logger,
+                logging.WARNING,
+                "More workers fit now: restarting with %d, from %s.",
+                attempt.world_size,
+                resume_from,
+            )
 
     def on_workers_changed(self, run: RunInfo, alive: int) -> None:
         if self._waiting_for is not None and alive >= self._waiting_for:
-            log_clear_of_line(logger, logging.INFO, "%d workers ready in %.2f s.", alive,
-                              time.monotonic() - self._attempt_started)
+            log_clear_of_line(
+                logger, logging.INFO, "%d workers ready in %.2f s.", alive, time.monotonic() - self._attempt_started
+            )
             self._waiting_for = None
 
     def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from lockstep._internal.worker_group import WorkerExited
 from lockstep._internal.failures import AttemptOutcome, FailureKind
+from lockstep._internal.worker_group import WorkerExited
 from lockstep.errors import TrainingFailedError, WorkerFailure, WorkerGroupError
 
 

@@ -126,8 +126,9 @@ class MLflowLogger(Callback):
         ImportError: neither ``mlflow`` nor ``mlflow-skinny`` is installed.
     """
 
-    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "lockstep",
-                 tags: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tracking_uri: str | None = None, experiment_name: str = "lockstep", tags: dict[str, str] | None = None
+    ) -> None:
         try:
             from mlflow.tracking import MlflowClient  # noqa: F401
         except ImportError as error:
@@ -144,7 +145,12 @@ class MLflowLogger(Callback):
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment = self._client.get_experiment_by_name(self.experiment_name)
         experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(self.experiment_name)
-        tags = {"mlflow.runName": run.name, "lockstep.path": run.path, "lockstep.world_size": str(run.world_size), **self.tags}
+        tags = {
+            "mlflow.runName": run.name,
+            "lockstep.path": run.path,
+            "lockstep.world_size": str(run.world_size),
+            **self.tags,
+        }
         self.run_id = self._client.create_run(experiment_id, tags=tags).info.run_id
 
     def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:

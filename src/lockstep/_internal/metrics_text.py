@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def metrics_text(metrics: dict[str, Any], separator: str = ", ", limit: int | None = None, scalars_only: bool = False) -> str:
+def metrics_text(
+    metrics: dict[str, Any], separator: str = ", ", limit: int | None = None, scalars_only: bool = False
+) -> str:
     """``key=value`` pairs, floats to 4 significant digits; with ``scalars_only`` only numbers and
     strings (no bools, lists, dicts); cut to ``limit`` characters with "…"."""
     items = [

@@ -103,8 +103,14 @@ def interface_of(address: str) -> str | None:
         if any(ipaddress.ip_address(held.split("%")[0]) == wanted for held in addresses):
             return name
     if wanted.is_loopback:
-        return next((name for name, addresses in interface_addresses().items()
-                     if any(ipaddress.ip_address(held).is_loopback for held in addresses)), None)
+        return next(
+            (
+                name
+                for name, addresses in interface_addresses().items()
+                if any(ipaddress.ip_address(held).is_loopback for held in addresses)
+            ),
+            None,
+        )
     return None
 
 

@@ -22,8 +22,9 @@ import os
 import pickle
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
@@ -117,8 +118,11 @@ def _shareable(tensor: Any) -> bool:
     import torch
 
     return (
-        tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
-        and tensor.dim() > 0 and tensor.numel() * tensor.element_size() >= SHARED_TENSOR_MIN_BYTES
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.dim() > 0
+        and tensor.numel() * tensor.element_size() >= SHARED_TENSOR_MIN_BYTES
     )
 
 
@@ -195,8 +199,12 @@ def _captured_by(function: Any) -> list[tuple[str, Any]]:
         return []
     found: list[tuple[str, Any]] = []
     fn_globals = getattr(function, "__globals__", {})
-    found += [(f"the global {name!r} used by the train function", fn_globals[name]) for name in code.co_names if name in fn_globals]
-    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+    found += [
+        (f"the global {name!r} used by the train function", fn_globals[name])
+        for name in code.co_names
+        if name in fn_globals
+    ]
+    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
         try:
             found.append((f"the variable {name!r} captured by the train function", cell.cell_contents))
         except ValueError:

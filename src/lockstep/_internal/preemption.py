@@ -24,6 +24,7 @@ The controller keeps the notice in a :class:`Preemption`, tells every rank at it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -71,8 +72,9 @@ class Preemption:
         """Whether a notice came."""
         return self.deadline is not None
 
-    def notice(self, host: str, ranks: list[int], urgent: bool = False, cause: str = "SIGTERM",
-               deadline_ms: int | None = None) -> None:
+    def notice(
+        self, host: str, ranks: list[int], urgent: bool = False, cause: str = "SIGTERM", deadline_ms: int | None = None
+    ) -> None:
         """``ranks`` on ``host`` got a notice (``urgent``: a second one, stop at once) for
         ``cause``; a ``deadline_ms`` (epoch ms) sooner than the grace shortens it."""
         if self.deadline is None:
@@ -82,8 +84,14 @@ class Preemption:
             self.deadline = time.monotonic() + grace_s
             self.deadline_ms = int((time.time() + grace_s) * 1000)
             self.cause = cause
-            logger.warning("Preemption notice (%s) for rank(s) %s on %s: training goes on until the next "
-                           "checkpoint is committed, %.0f s at most, then the run stops.", cause, ranks, host, grace_s)
+            logger.warning(
+                "Preemption notice (%s) for rank(s) %s on %s: training goes on until the next "
+                "checkpoint is committed, %.0f s at most, then the run stops.",
+                cause,
+                ranks,
+                host,
+                grace_s,
+            )
         self.node_to_ranks.setdefault(host, set()).update(ranks)
         if urgent and not self.urgent:
             logger.warning("A second SIGTERM: the run stops now (preempted).")
@@ -135,10 +143,12 @@ class Preemption:
         else:
             how = "stopped before another checkpoint was committed (" + self._why_early() + ")"
         return PreemptionError(
-            f"The run was preempted: {self.cause} for rank(s) {info.preempted_ranks} on {', '.join(info.preempted_node_ids)}; "
+            f"The run was preempted: {self.cause} for rank(s) {info.preempted_ranks} on "
+            f"{', '.join(info.preempted_node_ids)}; "
             f"it {how}. Its latest checkpoint is {latest_checkpoint or 'none'}: run the same command again to "
             "continue from it (a preemption is not counted as a failure).",
-            info, drain_timed_out=not self.checkpoint_committed,
+            info,
+            drain_timed_out=not self.checkpoint_committed,
         )
 
     def _why_early(self) -> str:
@@ -212,7 +222,10 @@ class RankSignals:
 
 @contextmanager
 def rank_signals(
-    channel: WorkerChannel, rank: int, hang_up: bool = False, controller: Preemption | None = None,
+    channel: WorkerChannel,
+    rank: int,
+    hang_up: bool = False,
+    controller: Preemption | None = None,
 ) -> Iterator[RankSignals]:
     """While a rank runs on this (main) thread: each SIGTERM sends a PreemptionNotice (the
     second one urgent) and the train function goes on. With ``hang_up``, the first SIGHUP
@@ -265,7 +278,6 @@ def hung_up(outcome: Any) -> bool:
 
 
 def _send_quietly(channel: WorkerChannel, message: Any) -> None:
-    try:
+    """Send ``message``; a driver that is gone or closed the channel ends the run anyway."""
+    with contextlib.suppress(OSError):
         channel.send(message)
-    except OSError:
-        pass  # the driver is gone or closed the channel: the run ends anyway

@@ -43,7 +43,7 @@ def preload_modules(payload: bytes) -> list[str]:
 def _installed(module: ModuleType, prefixes: tuple[str, ...]) -> bool:
     """Whether ``module`` comes from this Python's installation (not the user's own files)."""
     origin = getattr(module, "__file__", None)
-    return bool(origin) and os.path.abspath(origin).startswith(prefixes)
+    return isinstance(origin, str) and os.path.abspath(origin).startswith(prefixes)
 
 
 def _imported_by(module: ModuleType) -> set[bytes]:
@@ -65,4 +65,4 @@ def _pickle_of(payload: bytes) -> memoryview:
         return view
     length, tensors = struct.unpack_from("<QQ", payload, len(MAGIC))
     start = len(MAGIC) + 16 + 16 * tensors
-    return view[start:start + length]
+    return view[start : start + length]

@@ -35,7 +35,6 @@ from lockstep._internal.step_timing import StepTimes
 from lockstep._internal.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
 
-
 # -- worker -> driver ----------------------------------------------------------------------------
 
 
@@ -213,13 +212,32 @@ def checkpoint_ref(entry: CheckpointEntry | None) -> CheckpointEntry | None:
 # -- encoding ------------------------------------------------------------------------------------
 
 #: What a worker sends on its channel (anything else from a worker is refused).
-WORKER_MESSAGES = (Hello, Report, WritingCheckpoint, CheckpointUploaded, Collective, CheckpointsQuery, Output,
-                   PreemptionNotice, Finished, Failed)
+WORKER_MESSAGES = (
+    Hello,
+    Report,
+    WritingCheckpoint,
+    CheckpointUploaded,
+    Collective,
+    CheckpointsQuery,
+    Output,
+    PreemptionNotice,
+    Finished,
+    Failed,
+)
 
 MESSAGE_TYPES: dict[str, type] = {
     kind.__name__: kind
-    for kind in (*WORKER_MESSAGES, Start, Preempted, ReportDone, CollectiveDone, ReportedCheckpoints,
-                 WorkerFailure, CheckpointEntry, StepTimes)
+    for kind in (
+        *WORKER_MESSAGES,
+        Start,
+        Preempted,
+        ReportDone,
+        CollectiveDone,
+        ReportedCheckpoints,
+        WorkerFailure,
+        CheckpointEntry,
+        StepTimes,
+    )
 }
 TYPE_KEY = "~type"
 BYTES_KEY = "~bytes"

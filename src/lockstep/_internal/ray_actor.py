@@ -8,6 +8,7 @@ function is (``stack``) while it runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -161,8 +162,9 @@ class ForwardedOutput:
             self._saved[fd] = os.dup(fd)
             os.dup2(write_end, fd)
             os.close(write_end)
-            reader = threading.Thread(target=self._forward, args=(read_end, fd == 2), daemon=True,
-                                      name=f"lockstep-forward-fd{fd}")
+            reader = threading.Thread(
+                target=self._forward, args=(read_end, fd == 2), daemon=True, name=f"lockstep-forward-fd{fd}"
+            )
             reader.start()
             self._readers.append(reader)
         return self
@@ -192,7 +194,5 @@ OUTPUT_DRAIN_S = 5.0
 
 def _flush_python_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass

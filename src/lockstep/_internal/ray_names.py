@@ -51,76 +51,124 @@ RAY_TRAIN: dict[str, NameStatus] = {
     "get_checkpoint": _provided("lockstep.get_checkpoint"),
     "get_context": _provided("lockstep.get_context"),
     "get_dataset_shard": _provided("lockstep.get_dataset_shard"),
-    "report": _provided("lockstep.report", "every report is kept (with or without a checkpoint), not only those with one"),
+    "report": _provided(
+        "lockstep.report", "every report is kept (with or without a checkpoint), not only those with one"
+    ),
     "get_all_reported_checkpoints": _provided("lockstep.get_all_reported_checkpoints"),
-    "BackendConfig": _provided("lockstep.BackendConfig", "worker set-up/tear-down hooks: on_worker_start, on_worker_shutdown"),
+    "BackendConfig": _provided(
+        "lockstep.BackendConfig", "worker set-up/tear-down hooks: on_worker_start, on_worker_shutdown"
+    ),
     "Checkpoint": _provided("lockstep.Checkpoint"),
-    "CheckpointConfig": _provided("lockstep.CheckpointConfig", "V1's checkpoint_frequency / checkpoint_at_end: only their 'off' values"),
+    "CheckpointConfig": _provided(
+        "lockstep.CheckpointConfig", "V1's checkpoint_frequency / checkpoint_at_end: only their 'off' values"
+    ),
     "CheckpointUploadMode": _provided("lockstep.CheckpointUploadMode"),
     "DataConfig": _provided("lockstep.DataConfig"),
-    "FailureConfig": _provided("lockstep.FailureConfig", "fail_fast=True is accepted with max_failures=0; adds report_timeout_s"),
+    "FailureConfig": _provided(
+        "lockstep.FailureConfig", "fail_fast=True is accepted with max_failures=0; adds report_timeout_s"
+    ),
     "LoggingConfig": _provided("lockstep.LoggingConfig", "sets the level of the 'lockstep' logger in the driver"),
     "Result": _provided("lockstep.Result", "metrics is the last report, also without a checkpoint"),
-    "RunConfig": _provided("lockstep.RunConfig", "local_dir= works as storage_path=; stop= as Ray Tune's (metric >= "
-                           "threshold, or a function); sync_config=, progress_reporter=, worker_runtime_env= raise "
-                           "saying what to use"),
-    "ScalingConfig": _provided("lockstep.ScalingConfig", "num_workers=0 is local mode; label_selector=, use_tpu=True, "
-                               "topology= raise (no node labels, no TPUs)"),
+    "RunConfig": _provided(
+        "lockstep.RunConfig",
+        "local_dir= works as storage_path=; stop= as Ray Tune's (metric >= "
+        "threshold, or a function); sync_config=, progress_reporter=, worker_runtime_env= raise "
+        "saying what to use",
+    ),
+    "ScalingConfig": _provided(
+        "lockstep.ScalingConfig",
+        "num_workers=0 is local mode; label_selector=, use_tpu=True, topology= raise (no node labels, no TPUs)",
+    ),
     "TrainContext": _provided("lockstep.TrainContext"),
     "TrainingFailedError": _provided("lockstep.TrainingFailedError", "keeps .failures (rank -> WorkerFailure)"),
-    "WorkerGroupError": _provided("lockstep.WorkerGroupError", ".worker_failures values are lockstep.WorkerError "
-                                  "(type name, message, traceback; an instance of the built-in class when it is one), "
-                                  "not the rank's own exception object"),
+    "WorkerGroupError": _provided(
+        "lockstep.WorkerGroupError",
+        ".worker_failures values are lockstep.WorkerError "
+        "(type name, message, traceback; an instance of the built-in class when it is one), "
+        "not the rank's own exception object",
+    ),
     "ControllerError": _provided("lockstep.ControllerError"),
-    "NCCLHangError": _provided("lockstep.NCCLHangError", "never raised: a stuck collective is a WorkerGroupError "
-                               "with a ReportTimeout failure and every rank's stack"),
+    "NCCLHangError": _provided(
+        "lockstep.NCCLHangError",
+        "never raised: a stuck collective is a WorkerGroupError with a ReportTimeout failure and every rank's stack",
+    ),
     "ReportedCheckpoint": _provided("lockstep.ReportedCheckpoint"),
-    "ReportedCheckpointStatus": _provided("lockstep.ReportedCheckpointStatus", "always COMMITTED: lockstep has no checkpoint validation"),
+    "ReportedCheckpointStatus": _provided(
+        "lockstep.ReportedCheckpointStatus", "always COMMITTED: lockstep has no checkpoint validation"
+    ),
     "TRAIN_DATASET_KEY": _provided("lockstep.TRAIN_DATASET_KEY"),
-    "SyncConfig": _deprecated("lockstep.SyncConfig", "nothing to sync: ranks write checkpoints straight to "
-                              "RunConfig.storage_path (a shared folder or a URI such as s3://...)"),
-    "UserCallback": _absent("subclass lockstep.callbacks.Callback (hooks after_report, on_checkpoint, on_failure, "
-                            "on_run_end, ...) and pass it in RunConfig(callbacks=[...])"),
-    "CheckpointConsistencyMode": _provided("lockstep.CheckpointConsistencyMode", "VALIDATED waits as COMMITTED "
-                                           "does: lockstep has no checkpoint validation"),
+    "SyncConfig": _deprecated(
+        "lockstep.SyncConfig",
+        "nothing to sync: ranks write checkpoints straight to "
+        "RunConfig.storage_path (a shared folder or a URI such as s3://...)",
+    ),
+    "UserCallback": _absent(
+        "subclass lockstep.callbacks.Callback (hooks after_report, on_checkpoint, on_failure, "
+        "on_run_end, ...) and pass it in RunConfig(callbacks=[...])"
+    ),
+    "CheckpointConsistencyMode": _provided(
+        "lockstep.CheckpointConsistencyMode", "VALIDATED waits as COMMITTED does: lockstep has no checkpoint validation"
+    ),
     "ValidationConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
     "ValidationFn": _absent("validate in the train function (or on rank 0) and report the metrics"),
     "ValidationTaskConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
-    "PreemptionError": _provided("lockstep.PreemptionError", "a SIGTERM to the driver or to a rank is the notice; "
-                                 "the run stops after its next committed checkpoint and fit() raises this; "
-                                 "run the command again to continue (not counted as a failure). A Ray node "
-                                 "drain is the notice for the ranks on that node"),
-    "PreemptionInfo": _provided("lockstep.PreemptionInfo", "node ids are hostnames (for a Ray node drain, the "
-                                "node's IP)"),
-    "get_preemption_info": _provided("lockstep.get_preemption_info", "no extra barrier: every rank learns the "
-                                     "notice at the same report()"),
+    "PreemptionError": _provided(
+        "lockstep.PreemptionError",
+        "a SIGTERM to the driver or to a rank is the notice; "
+        "the run stops after its next committed checkpoint and fit() raises this; "
+        "run the command again to continue (not counted as a failure). A Ray node "
+        "drain is the notice for the ranks on that node",
+    ),
+    "PreemptionInfo": _provided(
+        "lockstep.PreemptionInfo", "node ids are hostnames (for a Ray node drain, the node's IP)"
+    ),
+    "get_preemption_info": _provided(
+        "lockstep.get_preemption_info", "no extra barrier: every rank learns the notice at the same report()"
+    ),
 }
 
 RAY_TRAIN_TORCH: dict[str, NameStatus] = {
     "TorchTrainer": _provided("lockstep.torch.TorchTrainer"),
-    "TorchConfig": _provided("lockstep.torch.TorchConfig", "per-device backends such as 'cpu:gloo,cuda:nccl': "
-                             "whole with GPUs, the cpu: one on CPU workers"),
+    "TorchConfig": _provided(
+        "lockstep.torch.TorchConfig",
+        "per-device backends such as 'cpu:gloo,cuda:nccl': whole with GPUs, the cpu: one on CPU workers",
+    ),
     "get_device": _provided("lockstep.torch.get_device"),
     "get_devices": _provided("lockstep.torch.get_devices"),
     "prepare_model": _provided("lockstep.torch.prepare_model"),
     "prepare_data_loader": _provided("lockstep.torch.prepare_data_loader"),
     "enable_reproducibility": _provided("lockstep.torch.enable_reproducibility"),
-    "TorchCheckpoint": _deprecated("lockstep.torch.TorchCheckpoint", "lockstep.Checkpoint with the state dict saved in its folder"),
+    "TorchCheckpoint": _deprecated(
+        "lockstep.torch.TorchCheckpoint", "lockstep.Checkpoint with the state dict saved in its folder"
+    ),
     "accelerate": _deprecated("lockstep.torch.accelerate", "torch.autocast and torch.amp.GradScaler directly"),
     "backward": _deprecated("lockstep.torch.backward", "loss.backward() (scaler.scale(loss).backward() with AMP)"),
     "prepare_optimizer": _deprecated("lockstep.torch.prepare_optimizer", "the optimizer as it is"),
 }
 
 RAY_AIR_SESSION: dict[str, NameStatus] = {
-    **{name: _provided(f"lockstep.session.{name}") for name in (
-        "report", "get_checkpoint", "get_dataset_shard", "get_metadata", "get_experiment_name", "get_world_size",
-        "get_world_rank", "get_local_rank", "get_local_world_size", "get_node_rank",
-    )},
+    **{
+        name: _provided(f"lockstep.session.{name}")
+        for name in (
+            "report",
+            "get_checkpoint",
+            "get_dataset_shard",
+            "get_metadata",
+            "get_experiment_name",
+            "get_world_size",
+            "get_world_rank",
+            "get_local_rank",
+            "get_local_world_size",
+            "get_node_rank",
+        )
+    },
     "get_trial_name": _provided("lockstep.session.get_trial_name", "the run's name"),
     "get_trial_id": _deprecated("lockstep.session.get_trial_id", "get_context().get_experiment_name()"),
     "get_run_id": _deprecated("lockstep.session.get_run_id", "get_context().get_experiment_name()"),
     "get_trial_dir": _deprecated("lockstep.session.get_trial_dir", "a folder passed in train_loop_config"),
-    "get_trial_resources": _deprecated("lockstep.session.get_trial_resources", "train_loop_config; lockstep.torch.get_device()"),
+    "get_trial_resources": _deprecated(
+        "lockstep.session.get_trial_resources", "train_loop_config; lockstep.torch.get_device()"
+    ),
 }
 
 #: Ray module -> its public names -> what lockstep does with each.

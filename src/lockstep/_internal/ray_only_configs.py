@@ -26,7 +26,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.log_level, str) or not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(
-                f"LoggingConfig.log_level={self.log_level!r} is unknown; choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL."
+                f"LoggingConfig.log_level={self.log_level!r} is unknown; choose one of DEBUG, INFO, "
+                "WARNING, ERROR, CRITICAL."
             )
         self.log_level = self.log_level.upper()
 

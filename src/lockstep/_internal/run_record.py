@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")  # orders runs started within a second
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="milliseconds"
+    )  # orders runs started within a second
 
 
 class RunRecorder:
@@ -74,12 +76,20 @@ class RunRecorder:
             resumed_from = self.checkpoints[-1].dir_name if self.checkpoints else "no checkpoint"
             logger.info(
                 "Continuing run %s (it was %s): %d reports so far, resuming from %s.",
-                self.storage.display_path, self._earlier.get("status"), len(self.reports), resumed_from,
+                self.storage.display_path,
+                self._earlier.get("status"),
+                len(self.reports),
+                resumed_from,
             )
         else:
             self.record = {"format_version": RECORD_FORMAT_VERSION, "name": self.storage.name, "created_at": _now()}
-        self.record.update(status="running", world_size=self.world_size, executor=self.executor, error=None,
-                           driver={"host": socket.gethostname(), "pid": os.getpid()})
+        self.record.update(
+            status="running",
+            world_size=self.world_size,
+            executor=self.executor,
+            error=None,
+            driver={"host": socket.gethostname(), "pid": os.getpid()},
+        )
         self._write_record()
         removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
         if removed:
@@ -106,6 +116,10 @@ class RunRecorder:
         """The folder names of the kept checkpoints, oldest first."""
         return [entry.dir_name for entry in self.checkpoints]
 
+    def latest_entry(self) -> CheckpointEntry | None:
+        """The record entry of the newest committed checkpoint."""
+        return self.checkpoints[-1] if self.checkpoints else None
+
     @property
     def latest_checkpoint(self) -> Checkpoint | None:
         """The newest committed checkpoint."""
@@ -114,7 +128,10 @@ class RunRecorder:
     # -- committing ---------------------------------------------------------------------------
 
     def log_report(
-        self, index: int, metrics_json: str, checkpoint_dir_name: str | None,
+        self,
+        index: int,
+        metrics_json: str,
+        checkpoint_dir_name: str | None,
         step_times: dict[str, dict[str, float]] | None = None,
     ) -> dict[str, Any]:
         """Add one report (every rank has made it) to the history, with each rank's

@@ -55,15 +55,20 @@ class StopCondition(Callback):
             value = values.get(key)
             if value is None:
                 self._warn_missing(key, values)
-            elif isinstance(value, numbers.Real) and value >= threshold:
+            elif isinstance(value, numbers.Real) and float(value) >= threshold:
                 run.request_stop(f"RunConfig(stop=...): {key}={value:g} reached {threshold:g} at report #{index}")
                 return
 
     def _warn_missing(self, key: str, values: dict[str, Any]) -> None:
         if key not in self._missing_warned:
             self._missing_warned.add(key)
-            log_clear_of_line(logger, logging.WARNING, "RunConfig(stop=...): %r is not among the reported metrics "
-                              "(%s); the run goes on until it is reported.", key, ", ".join(sorted(values)))
+            log_clear_of_line(
+                logger,
+                logging.WARNING,
+                "RunConfig(stop=...): %r is not among the reported metrics (%s); the run goes on until it is reported.",
+                key,
+                ", ".join(sorted(values)),
+            )
 
 
 def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -105,8 +110,9 @@ class Stopping:
             return False
         if self.at_index is None:
             self.at_index, self.deadline = index, time.monotonic() + self.grace_s
-            log_clear_of_line(logger, logging.INFO, "Stopping run %s after report #%d: %s.", self.run.name, index,
-                              request.reason)
+            log_clear_of_line(
+                logger, logging.INFO, "Stopping run %s after report #%d: %s.", self.run.name, index, request.reason
+            )
         return True
 
     def left(self, failure: WorkerFailure) -> bool:

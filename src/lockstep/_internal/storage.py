@@ -26,8 +26,9 @@ import re
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 
@@ -72,7 +73,9 @@ def storage_errors(storage_path: str) -> Iterator[None]:
         ) from error
     except Exception as error:
         hint = _storage_hint(error)
-        raise ValueError(f"storage_path={storage_path!r} can't be used: {type(error).__name__}: {error}.{hint}") from error
+        raise ValueError(
+            f"storage_path={storage_path!r} can't be used: {type(error).__name__}: {error}.{hint}"
+        ) from error
 
 
 CREDENTIALS_HINT = (
@@ -87,7 +90,7 @@ def _storage_hint(error: BaseException) -> str:
     return ""
 
 
-def check_storage_path(storage_path: str, storage: "RunStorage") -> None:
+def check_storage_path(storage_path: str, storage: RunStorage) -> None:
     """Refuse a storage_path that is a file, before anything is written.
 
     Raises:
@@ -133,7 +136,7 @@ class RunStorage:
         self.name = self.run_path.rstrip("/").rsplit("/", 1)[-1]
 
     @classmethod
-    def for_run(cls, storage_path: str, name: str, filesystem: Any = None) -> "RunStorage":
+    def for_run(cls, storage_path: str, name: str, filesystem: Any = None) -> RunStorage:
         """The run folder ``name`` under ``storage_path``."""
         fs, base = resolve_filesystem(storage_path, filesystem)
         return cls(join(base, name), fs)
@@ -182,7 +185,10 @@ class RunStorage:
         if not self.filesystem.exists(self.run_path):
             return []
         unfinished = [
-            name for name in (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.filesystem.ls(self.run_path, detail=False))
+            name
+            for name in (
+                entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.filesystem.ls(self.run_path, detail=False)
+            )
             if DEFAULT_CHECKPOINT_NAME.match(name) and name not in committed
         ]
         for name in unfinished:
@@ -237,7 +243,7 @@ class RunStorage:
         with self.filesystem.open(target, "r", encoding="utf-8") as handle:
             return json.load(handle)
 
-    def open_report_log(self, existing_lines: list[str]) -> "ReportLog":
+    def open_report_log(self, existing_lines: list[str]) -> ReportLog:
         """The report history of this run, to append to; ``existing_lines`` are already in it."""
         if is_local(self.filesystem):
             return AppendingReportLog(self.path_of(REPORTS_FILE))
@@ -296,7 +302,7 @@ class AppendingReportLog(ReportLog):
 
     def append(self, line: str) -> None:
         if self._handle is None:
-            self._handle = open(self.path, "a", encoding="utf-8")
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run, closed by close()
         self._handle.write(line + "\n")
         self._handle.flush()
 

@@ -71,8 +71,10 @@ def times_record(calls: Mapping[int, Any]) -> dict[str, dict[str, float]] | None
         return None
     return {
         str(rank): {
-            "window": round(times.window_s, 6), "data": round(times.data_s, 6),
-            "collective": round(times.collective_s, 6), "report": round(times.report_s, 6),
+            "window": round(times.window_s, 6),
+            "data": round(times.data_s, 6),
+            "collective": round(times.collective_s, 6),
+            "report": round(times.report_s, 6),
         }
         for rank, times in sorted(step_times.items())
     }
@@ -106,7 +108,7 @@ def slow_in(report_times: Mapping[str, RankTimes]) -> int | None:
 def recent_times(reports: Sequence[Mapping[str, Any]]) -> list[Mapping[str, RankTimes]]:
     """The step times of the last :data:`RECENT_REPORTS` reports that have them (records written
     before step times existed have none)."""
-    timed = []
+    timed: list[Mapping[str, RankTimes]] = []
     for report in reversed(reports):
         if len(timed) == RECENT_REPORTS:
             break
@@ -147,12 +149,12 @@ def rank_shares(recent: Sequence[Mapping[str, RankTimes]]) -> dict[int, dict[str
     sums: dict[int, dict[str, float]] = {}
     counts: dict[int, int] = {}
     for report_times in recent:
-        for rank, times in report_times.items():
-            total = sums.setdefault(int(rank), dict.fromkeys(PARTS, 0.0))
+        for rank_name, times in report_times.items():
+            total = sums.setdefault(int(rank_name), dict.fromkeys(PARTS, 0.0))
             for part, seconds in parts_of(times).items():
                 total[part] += seconds
-            counts[int(rank)] = counts.get(int(rank), 0) + 1
-    shares = {}
+            counts[int(rank_name)] = counts.get(int(rank_name), 0) + 1
+    shares: dict[int, dict[str, float]] = {}
     for rank, total in sorted(sums.items()):
         window = sum(total.values())
         shares[rank] = {part: (seconds / window if window > 0 else 0.0) for part, seconds in total.items()}
@@ -166,12 +168,12 @@ def rank_table(reports: Sequence[Mapping[str, Any]]) -> list[str]:
     recent = recent_times(reports)
     if not recent:
         return []
-    rows = [("RANK", "DATA", "COLLECTIVE", "REPORT WAIT", "COMPUTE", "TIME/REPORT")]
+    rows: list[tuple[str, ...]] = [("RANK", "DATA", "COLLECTIVE", "REPORT WAIT", "COMPUTE", "TIME/REPORT")]
     for rank, shares in rank_shares(recent).items():
         rows.append((str(rank), *(f"{shares[part]:.0%}" for part in PARTS), f"{shares['step_s']:.3f}s"))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = [f"time per rank, last {len(recent)} reports (shares of the time between reports):"]
-    lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     slow = slowest_rank(recent)
     lines.append(f"slowest: {slow.describe()}" if slow else "slowest: none (the ranks are balanced)")
     return lines

@@ -4,8 +4,8 @@ the backend's set-up use them without importing the trainer."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -46,7 +46,8 @@ def _map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -
     if isinstance(batch, torch.Tensor):
         return function(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({key: _map_tensors(value, function) for key, value in batch.items()})
+        rebuilt: Callable[[dict[Any, Any]], Any] = type(batch)
+        return rebuilt({key: _map_tensors(value, function) for key, value in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_map_tensors(item, function) for item in batch))
     if isinstance(batch, (list, tuple)):

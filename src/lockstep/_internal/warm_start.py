@@ -24,7 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Callable
+from collections.abc import Callable
+from typing import IO, Any
 
 from lockstep._internal.preload import preload_modules
 
@@ -92,14 +93,24 @@ class WarmProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env.update(
-            {ENV_WARM_START: "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-             "MKL_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+            {
+                ENV_WARM_START: "0",
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+            },
             PYTHONPATH=worker_pythonpath(env),
         )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lockstep._internal.zygote", str(theirs.fileno()), str(os.getpid())],
-            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,
+            env=env,
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         theirs.close()
         self.owner = os.getpid()
@@ -117,8 +128,9 @@ class WarmProcess:
     def prepare(self, payload: bytes) -> None:
         """Send the import path and have the installed packages the job names imported."""
         modules = preload_modules(payload)
-        reply, _ = self._request({"op": "prepare", "sys_path": _absolute(sys.path), "modules": modules}, [],
-                                 PREPARE_TIMEOUT_S)
+        reply, _ = self._request(
+            {"op": "prepare", "sys_path": _absolute(sys.path), "modules": modules}, [], PREPARE_TIMEOUT_S
+        )
         if reply.get("skipped"):
             logger.debug("the warm process could not import %s; the workers import them", reply["skipped"])
 
@@ -186,7 +198,9 @@ class WarmProcess:
 class ForkedRank:
     """A rank forked by the warm process, with what local.py uses of a ``Popen``."""
 
-    def __init__(self, warm: WarmProcess, pid: int, pidfd: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+    def __init__(
+        self, warm: WarmProcess, pid: int, pidfd: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None
+    ) -> None:
         self.pid, self.pidfd, self.stdout, self.stderr = pid, pidfd, stdout, stderr
         self.returncode: int | None = None
         self._warm = warm
@@ -324,8 +338,11 @@ def _give_up(error: WarmStartUnavailable) -> None:
     global _fallback_logged
     if not _fallback_logged:
         _fallback_logged = True
-        logger.warning("the warm worker process can't be used (%s); starting workers the plain way "
-                       "(set %s=0 to skip it)", error, ENV_WARM_START)
+        logger.warning(
+            "the warm worker process can't be used (%s); starting workers the plain way (set %s=0 to skip it)",
+            error,
+            ENV_WARM_START,
+        )
     shutdown()
 
 

@@ -1,8 +1,9 @@
 """The worker runtime, and the worker process: ``python -m lockstep._internal.worker``.
 
 A rank connects back to the driver, loads its job, learns where the attempt starts, joins the
-process group, runs the train function under a :class:`~lockstep._internal.worker_session.WorkerSession`, reports the outcome and exits.
-It dies with the driver: if the driver is killed, the kernel kills this process too.
+process group, runs the train function under a
+:class:`~lockstep._internal.worker_session.WorkerSession`, reports the outcome and exits. It dies
+with the driver: if the driver is killed, the kernel kills this process too.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import signal
 import sys
 import traceback
 import types
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 
 if TYPE_CHECKING:
-    from lockstep._internal.payload import TrainJob
     from lockstep._internal.channel import WorkerChannel
+    from lockstep._internal.payload import TrainJob
     from lockstep._internal.protocol import Start
     from lockstep.checkpoint import Checkpoint
 
@@ -73,7 +75,9 @@ def main(forked_by: int | None = None) -> None:
     channel = connect_to_driver(rank_env.world_rank)
     watch = DriverWatch(channel.fileno(), rank_env.world_rank, os.environ[ENV_DRIVER_ADDRESS])
     with rank_signals(channel, rank_env.world_rank), watch:  # SIGTERM: a preemption notice, not the end
-        outcome, exit_code = run_to_outcome(rank_env, channel, lambda: _job_from(_read_payload(int(os.environ[ENV_PAYLOAD_FD]))))
+        outcome, exit_code = run_to_outcome(
+            rank_env, channel, lambda: _job_from(_read_payload(int(os.environ[ENV_PAYLOAD_FD])))
+        )
     _send_and_exit(channel, outcome, exit_code)
 
 
@@ -84,8 +88,11 @@ def _job_from(buffer: Any) -> TrainJob:
 
 
 def run_to_outcome(
-    rank_env: RankEnv, channel: WorkerChannel, load_job: Callable[[], TrainJob],
-    extra_datasets: dict[str, Any] | None = None, keep_return_value: Callable[[Any], None] | None = None,
+    rank_env: RankEnv,
+    channel: WorkerChannel,
+    load_job: Callable[[], TrainJob],
+    extra_datasets: dict[str, Any] | None = None,
+    keep_return_value: Callable[[Any], None] | None = None,
 ) -> tuple[Any, int]:
     """Run the rank and say how it ended: a Finished or Failed message, and an exit code.
 
@@ -108,7 +115,9 @@ def run_to_outcome(
 
 
 def run_rank(
-    rank_env: RankEnv, channel: WorkerChannel, load_job: Callable[[], TrainJob],
+    rank_env: RankEnv,
+    channel: WorkerChannel,
+    load_job: Callable[[], TrainJob],
     extra_datasets: dict[str, Any] | None = None,
 ) -> Any:
     """Load the job, learn where this attempt starts, run the train function, and return
@@ -119,9 +128,9 @@ def run_rank(
     import torch
 
     from lockstep._internal import protocol
-    from lockstep._internal.worker_session import WorkerSession
     from lockstep._internal.session_state import set_session
     from lockstep._internal.train_context import TrainContext
+    from lockstep._internal.worker_session import WorkerSession
     from lockstep.data import RayDataShard, shard_datasets
 
     torch.set_num_threads(rank_env.threads)
@@ -143,8 +152,9 @@ def run_rank(
     )
     datasets = shard_datasets(job.datasets, context.world_rank, context.world_size, job.dataset_config.should_split)
     datasets.update({name: RayDataShard(shard) for name, shard in (extra_datasets or {}).items()})
-    session = WorkerSession(context, channel, start.first_report_index, starting_checkpoint(start, job), datasets,
-                            start.used_dir_names)
+    session = WorkerSession(
+        context, channel, start.first_report_index, starting_checkpoint(start, job), datasets, start.used_dir_names
+    )
     set_session(session)
     os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces
     job.backend_config.on_worker_start(context, job.use_gpu)

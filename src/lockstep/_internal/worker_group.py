@@ -6,8 +6,9 @@ event. Below both the controller and the executors: neither imports the other fo
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import cloudpickle
 
@@ -37,7 +38,7 @@ class GroupSpec:
     use_gpu: bool
     resources_per_worker: dict[str, float]
     log_dir: str | None = None
-    console: str = "rank0"
+    console: Literal["rank0", "all", "none"] = "rank0"
     placement_strategy: str = "PACK"
     accelerator_type: str | None = None
     placement_timeout_s: float = 60.0

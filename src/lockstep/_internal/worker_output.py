@@ -17,8 +17,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Callable, Literal
+from typing import IO, Literal
 
 from lockstep._internal.progress import around_output
 
@@ -69,7 +70,10 @@ class OutputRelay:
         self.expect(rank)
         for stream, is_stderr in ((stdout, False), (stderr, True)):
             thread = threading.Thread(
-                target=self._copy, args=(rank, stream, is_stderr), daemon=True, name=f"lockstep-output-rank{rank}",
+                target=self._copy,
+                args=(rank, stream, is_stderr),
+                daemon=True,
+                name=f"lockstep-output-rank{rank}",
             )
             thread.start()
             self._threads.append(thread)
@@ -257,7 +261,7 @@ class MergingConsole:
         self.wait_s = wait_s
         self.ranks: set[int] = set()
         self._show = show
-        self._waiting = {is_stderr: _WaitingLines(lambda text, e=is_stderr: show(text, e)) for is_stderr in (False, True)}
+        self._waiting = {is_stderr: _WaitingLines(_shown_on(show, is_stderr)) for is_stderr in (False, True)}
         self._unfinished: dict[tuple[int, bool], _Unfinished] = collections.defaultdict(_Unfinished)
 
     def take(self, rank: int, chunk: bytes, is_stderr: bool, now: float) -> None:
@@ -326,3 +330,8 @@ def rank_tag(ranks: set[int]) -> bytes:
             spans.append([rank, rank])
     text = ",".join(f"{first}-{last}" if last > first else f"{first}" for first, last in spans)
     return f"[ranks {text}] ".encode()
+
+
+def _shown_on(show: Show, is_stderr: bool) -> Callable[[bytes], None]:
+    """``show`` for the lines of one stream."""
+    return lambda text: show(text, is_stderr)

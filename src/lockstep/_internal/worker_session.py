@@ -12,11 +12,18 @@ from typing import Any, TypeVar
 
 from lockstep._internal import protocol
 from lockstep._internal.channel import WorkerChannel
-from lockstep._internal.checkpoint_upload import CheckpointUploader, Upload, UploadFn, check_deletable, delete_local, upload
+from lockstep._internal.checkpoint_upload import (
+    CheckpointUploader,
+    Upload,
+    UploadFn,
+    check_deletable,
+    delete_local,
+    upload,
+)
 from lockstep._internal.step_timing import CLOCK
 from lockstep._internal.storage import RESERVED_NAMES
-from lockstep.checkpoint import Checkpoint
 from lockstep._internal.train_context import CheckpointUploadMode, TrainContext
+from lockstep.checkpoint import Checkpoint
 from lockstep.preemption import PreemptionInfo
 from lockstep.reported_checkpoint import ReportedCheckpoint
 
@@ -60,7 +67,9 @@ class WorkerSession:
         """Send one report and wait until every rank has sent it and it is recorded."""
         metrics_json = encode_metrics(metrics)
         index = self._next_report_index
-        message = protocol.Report(self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None)
+        message = protocol.Report(
+            self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None
+        )
         if checkpoint is not None:
             job = Upload(self._new_dir_name(checkpoint_dir_name, index), upload_fn, delete_local_after_upload)
             state, external = self._persist(checkpoint, job, index, upload_mode)
@@ -109,7 +118,9 @@ class WorkerSession:
 
             raise PreemptionStop("the driver stopped the run (preempted)") from error
         if not isinstance(answer, kind):
-            raise RuntimeError(f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)")
+            raise RuntimeError(
+                f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)"
+            )
         return answer
 
     def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
@@ -138,8 +149,10 @@ class WorkerSession:
             )
         if upload_mode is CheckpointUploadMode.NO_UPLOAD:
             if job.upload_fn is not None or job.delete_local:
-                logger.warning("report(checkpoint_upload_mode=NO_UPLOAD) uploads nothing: checkpoint_upload_fn and "
-                               "delete_local_checkpoint_after_upload are not used.")
+                logger.warning(
+                    "report(checkpoint_upload_mode=NO_UPLOAD) uploads nothing: checkpoint_upload_fn and "
+                    "delete_local_checkpoint_after_upload are not used."
+                )
             return "external", checkpoint.uri
         if job.delete_local:
             check_deletable(checkpoint, self.context.storage)

@@ -89,13 +89,21 @@ class Zygote:
     def serve(self) -> None:
         """Answer requests and report children's exits, until end of stream."""
         while True:
-            ready, _, _ = select.select([self.control, *self.children], [], [])
-            for handle in ready:
+            for handle in self._ready():
                 if handle is self.control:
                     if not self._answer():
                         return
                 else:
                     self._reap(handle)
+
+    def _ready(self) -> list[Any]:
+        """The control socket and the children's pidfds that are readable (waits for one).
+        ``poll``, not ``select``: a pidfd may be numbered past 1024."""
+        watched: dict[int, Any] = {self.control.fileno(): self.control, **{pidfd: pidfd for pidfd in self.children}}
+        poller = select.poll()
+        for descriptor in watched:
+            poller.register(descriptor, select.POLLIN)
+        return [watched[descriptor] for descriptor, _ in poller.poll()]
 
     def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import queue
 import random
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import default_collate
@@ -128,8 +128,7 @@ def cast_dtypes(batch: Any, dtypes: torch.dtype | Mapping[str, torch.dtype] | No
     missing = sorted(set(dtypes) - set(batch))
     if missing:
         raise ValueError(f"dtypes names {missing}, which the batches lack; their keys are {sorted(batch)}.")
-    cast = {key: map_tensors(value, lambda tensor, key=key: tensor.to(dtypes[key])) if key in dtypes else value
-            for key, value in batch.items()}
+    cast = {key: map_tensors(value, _to_dtype(dtypes[key])) if key in dtypes else value for key, value in batch.items()}
     return type(batch)(cast)  # type: ignore[call-arg]
 
 
@@ -167,7 +166,9 @@ def prefetched(batches: Iterator[T], count: int) -> Iterator[T]:
         thread.join()
 
 
-def _produce(batches: Iterator[Any], ready: queue.Queue[tuple[Any, BaseException | None]], stop: threading.Event) -> None:
+def _produce(
+    batches: Iterator[Any], ready: queue.Queue[tuple[Any, BaseException | None]], stop: threading.Event
+) -> None:
     try:
         for batch in batches:
             if not _put(ready, (batch, None), stop):
@@ -188,7 +189,7 @@ def _put(ready: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def items_of(dataset: Sequence[Any], indices: list[int]) -> list[Any]:
+def items_of(dataset: Any, indices: list[int]) -> list[Any]:
     """The items of ``dataset`` at ``indices``."""
     return [dataset[index] for index in indices]
 
@@ -202,3 +203,8 @@ class Batches:
 
     def __iter__(self) -> Iterator[Any]:
         return self._make()
+
+
+def _to_dtype(dtype: Any) -> Callable[[Any], Any]:
+    """A function that casts a tensor to ``dtype``."""
+    return lambda tensor: tensor.to(dtype)

@@ -8,9 +8,7 @@ from typing import Any
 
 def is_ray_data_iterator(value: Any) -> bool:
     """Whether ``value`` is a ``ray.data.DataIterator`` (checked without importing Ray)."""
-    return any(
-        cls.__name__ == "DataIterator" and cls.__module__.startswith("ray.data") for cls in type(value).__mro__
-    )
+    return any(cls.__name__ == "DataIterator" and cls.__module__.startswith("ray.data") for cls in type(value).__mro__)
 
 
 class RayDataShard:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Callable, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -81,10 +81,16 @@ class DatasetShard(Dataset):
         """
         batching.check_batch_format(batch_format)
         batching.check_batching(batch_size, local_shuffle_buffer_size)
-        return batching.Batches(lambda: self._batches(
-            prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed,
-            lambda items: batching.format_batch(items, batch_format),
-        ))
+        return batching.Batches(
+            lambda: self._batches(
+                prefetch_batches,
+                batch_size,
+                drop_last,
+                local_shuffle_buffer_size,
+                local_shuffle_seed,
+                lambda items: batching.format_batch(items, batch_format),
+            )
+        )
 
     def iter_torch_batches(
         self,
@@ -125,7 +131,9 @@ class DatasetShard(Dataset):
         target = get_device() if device in ("auto", None) else torch.device(device)
 
         def collate(items: list[Any]) -> Any:
-            batch = collate_fn(items) if collate_fn is not None else batching.cast_dtypes(default_collate(items), dtypes)
+            batch = (
+                collate_fn(items) if collate_fn is not None else batching.cast_dtypes(default_collate(items), dtypes)
+            )
             return batching.pin(batch) if pin_memory else batch
 
         batching.check_batching(batch_size, local_shuffle_buffer_size)
@@ -139,18 +147,26 @@ class DatasetShard(Dataset):
         return batching.Batches(batches_on_device)
 
     def _batches(
-        self, prefetch_batches: int, batch_size: int | None, drop_last: bool, shuffle_buffer_size: int | None,
-        shuffle_seed: int | None, collate: Callable[[list[Any]], Any],
+        self,
+        prefetch_batches: int,
+        batch_size: int | None,
+        drop_last: bool,
+        shuffle_buffer_size: int | None,
+        shuffle_seed: int | None,
+        collate: Callable[[list[Any]], Any],
     ) -> Iterator[Any]:
         """Batches of this shard, each made by ``collate`` from its items, fetched ahead."""
         rows = batching.row_order(self.length, shuffle_buffer_size, batch_size, shuffle_seed)
-        made = (collate(batching.items_of(self, indices)) for indices in batching.index_batches(rows, batch_size, drop_last))
+        made = (
+            collate(batching.items_of(self, indices)) for indices in batching.index_batches(rows, batch_size, drop_last)
+        )
         return batching.prefetched(made, prefetch_batches)
 
 
-def shard_datasets(datasets: Mapping[str, Any], rank: int, world_size: int, split: Callable[[str], bool]) -> dict[str, Any]:
+def shard_datasets(
+    datasets: Mapping[str, Any], rank: int, world_size: int, split: Callable[[str], bool]
+) -> dict[str, Any]:
     """Each dataset as this rank sees it: sharded when ``split(name)``, else whole."""
     return {
-        name: DatasetShard(dataset, rank, world_size) if split(name) else dataset
-        for name, dataset in datasets.items()
+        name: DatasetShard(dataset, rank, world_size) if split(name) else dataset for name, dataset in datasets.items()
     }

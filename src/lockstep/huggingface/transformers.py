@@ -23,7 +23,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch.distributed as dist
 import transformers
@@ -103,25 +103,28 @@ class RayTrainReportCallback(TrainerCallback):
             )
         self.report_on = report_on
 
-    def on_save(self, args: transformers.TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
+    def on_save(
+        self, args: transformers.TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Report the merged logs with the checkpoint the Trainer has just saved."""
-        source = _checkpoint_folder(args.output_dir, state.global_step)
+        source = _checkpoint_folder(str(args.output_dir), state.global_step)
         with tempfile.TemporaryDirectory(prefix="lockstep_hf_") as staging:
             checkpoint = None
-            if _is_first_with_folder(source):
+            if source is not None and _is_first_with_folder(source):
                 shutil.copytree(source, os.path.join(staging, self.CHECKPOINT_NAME))
                 checkpoint = Checkpoint.from_directory(staging)
             lockstep.report(merged_logs(state), checkpoint=checkpoint)
 
-    def on_evaluate(self, args: transformers.TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_evaluate(
+        self, args: transformers.TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """With ``report_on="evaluate"``: report the merged logs, unless a save follows at this step."""
         if self.report_on == "evaluate" and not control.should_save:
             lockstep.report(merged_logs(state))
 
-    def on_log(self, args: transformers.TrainingArguments, state: TrainerState, control: TrainerControl,
-               **kwargs: Any) -> None:
+    def on_log(
+        self, args: transformers.TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """With ``report_on="log"``: report the merged logs after every log event."""
         if self.report_on == "log":
             lockstep.report(merged_logs(state))
@@ -230,8 +233,8 @@ def _batch_iterable_trainer_class(base: type[transformers.Trainer]) -> type[tran
             chosen = eval_dataset if eval_dataset is not None else self.eval_dataset
             if isinstance(chosen, str) and isinstance(self.eval_dataset, dict):
                 chosen = self.eval_dataset[chosen]
-            if is_batch_iterable(chosen):
-                return batch_loader(chosen)
+            if not isinstance(chosen, str) and is_batch_iterable(chosen):
+                return batch_loader(cast(Iterable[Any], chosen))
             return super().get_eval_dataloader(eval_dataset)
 
     LockstepTrainer.__name__ = LockstepTrainer.__qualname__ = f"Lockstep{base.__name__}"

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep._internal.torch_devices import get_device
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, get_context, report
 from lockstep.lightning._package import environments_module, trainer_module
-from lockstep._internal.torch_devices import get_device
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def classes_for(package: str) -> LightningClasses:
 
 def _named(name: str, bases: tuple[type, ...]) -> type:
     """A class ``name`` made of ``bases`` (the first ones are lockstep's behaviour)."""
+
     def fill(namespace: dict[str, Any]) -> None:
         namespace.update(__module__=__name__, __qualname__=name)
 

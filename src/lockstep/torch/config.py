@@ -100,8 +100,9 @@ class TorchConfig(BackendConfig):
             from lockstep._internal.torch_devices import get_device
 
             torch.cuda.set_device(get_device())
-        join_process_group(backend, self.init_method, context.world_rank, context.world_size,
-                           self.start_timeout_s, self.timeout_s)
+        join_process_group(
+            backend, self.init_method, context.world_rank, context.world_size, self.start_timeout_s, self.timeout_s
+        )
 
     def on_worker_shutdown(self) -> None:
         """Leave the process group and release cached GPU memory."""

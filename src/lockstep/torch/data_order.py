@@ -22,7 +22,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
@@ -103,7 +103,7 @@ class ResumableDataLoader(DataLoader):
             raise ValueError(f"ResumableDataLoader needs a DistributedSampler, got {type(self.sampler).__name__}.")
         self._skipping = SkipFirst(super()._index_sampler)
         self._epoch = self.sampler.epoch  # the epoch of the current (or last) pass
-        self._seen_epoch = self.sampler.epoch  # the sampler's epoch when this loader last set it
+        self._seen_epoch: int = self.sampler.epoch  # the sampler's epoch when this loader last set it
         self._passes = 0
         self._yielded = 0
         self._finished = False
@@ -116,7 +116,7 @@ class ResumableDataLoader(DataLoader):
         skipping = self.__dict__.get("_skipping")
         return skipping if skipping is not None else super()._index_sampler
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator of batches, not DataLoader's iterator class
         epoch, skip = self._next_pass()
         self._start_pass(epoch, skip)
         return self._counted(timed_batches(super().__iter__()), self._passes)
@@ -138,15 +138,20 @@ class ResumableDataLoader(DataLoader):
         if skip:
             logger.info("prepared loader: resuming epoch %d after its first %d batches", epoch, skip)
 
+    @property
+    def _distributed(self) -> DistributedSampler[Any]:
+        """The loader's sampler, a DistributedSampler (checked when the loader is made)."""
+        return cast(DistributedSampler[Any], self.sampler)
+
     def _set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self._distributed.set_epoch(epoch)
         if isinstance(self.sampler, EpochTrackingSampler):
             self.sampler.epoch_chosen = False
         self._seen_epoch = epoch
 
     def _chosen_epoch(self) -> int | None:
         """The epoch the caller set on the sampler since this loader last did, else None."""
-        sampler = self.sampler
+        sampler = self._distributed
         if getattr(sampler, "epoch_chosen", False) or sampler.epoch != self._seen_epoch:
             return sampler.epoch
         return None
@@ -158,7 +163,7 @@ class ResumableDataLoader(DataLoader):
         if restored is not None:
             return _resumed_pass(restored, chosen)
         if chosen is not None or self._passes == 0:
-            return self.sampler.epoch, 0
+            return self._distributed.epoch, 0
         return self._epoch + 1, 0
 
     def state_dict(self, held_back: int = 0) -> dict[str, Any]:
@@ -171,24 +176,33 @@ class ResumableDataLoader(DataLoader):
         if self._restored is not None:
             return asdict(self._restored)
         yielded = self._yielded - held_back
-        return asdict(LoaderPosition(
-            epoch=self._epoch, batches_yielded=yielded, pass_finished=self._finished and held_back == 0,
-            num_replicas=self.sampler.num_replicas, batch_size=self.batch_size,
-        ))
+        return asdict(
+            LoaderPosition(
+                epoch=self._epoch,
+                batches_yielded=yielded,
+                pass_finished=self._finished and held_back == 0,
+                num_replicas=self._distributed.num_replicas,
+                batch_size=self.batch_size,
+            )
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved ``state_dict()``: the next pass is the saved epoch from the batch
         after the last one handed out (or the following epoch, when the saved pass had ended)."""
         position = LoaderPosition.from_state(state)
-        if (position.num_replicas, position.batch_size) != (self.sampler.num_replicas, self.batch_size):
+        if (position.num_replicas, position.batch_size) != (self._distributed.num_replicas, self.batch_size):
             logger.warning(
                 "prepared loader: the saved position is for %d workers and batch size %s, this run has %d "
                 "and %s; epoch %d restarts from its first batch, so some samples are seen twice.",
-                position.num_replicas, position.batch_size, self.sampler.num_replicas, self.batch_size, position.epoch,
+                position.num_replicas,
+                position.batch_size,
+                self._distributed.num_replicas,
+                self.batch_size,
+                position.epoch,
             )
-            position = LoaderPosition(position.epoch, 0, False, self.sampler.num_replicas, self.batch_size)
+            position = LoaderPosition(position.epoch, 0, False, self._distributed.num_replicas, self.batch_size)
         self._restored = position
-        self._seen_epoch = self.sampler.epoch
+        self._seen_epoch = self._distributed.epoch
         if isinstance(self.sampler, EpochTrackingSampler):
             self.sampler.epoch_chosen = False
 
@@ -203,6 +217,9 @@ def _resumed_pass(saved: LoaderPosition, chosen: int | None) -> tuple[int, int]:
     if chosen != saved.epoch and not saved.pass_finished:
         logger.warning(
             "prepared loader: the restored position is in epoch %d but sampler.set_epoch(%d) was called; "
-            "starting epoch %d from its first batch.", saved.epoch, chosen, chosen,
+            "starting epoch %d from its first batch.",
+            saved.epoch,
+            chosen,
+            chosen,
         )
     return chosen, 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lockstep._internal.deprecated import removed_function
-from lockstep._internal.torch_devices import _map_tensors, get_device, get_devices, move_to_device
-from lockstep._internal.step_timing import timed_batches, with_all_reduce_timing
 from lockstep._internal.session_state import current_session
+from lockstep._internal.step_timing import timed_batches, with_all_reduce_timing
+from lockstep._internal.torch_devices import _map_tensors, get_device, get_devices, move_to_device
 from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def prepare_data_loader(
     add_dist_sampler: bool = True,
     move_to_device: bool = True,
     auto_transfer: bool = True,
-) -> DataLoader | "DeviceDataLoader":
+) -> DataLoader | DeviceDataLoader:
     """Shard a DataLoader across workers and move its batches to this worker's device.
 
     A ``DistributedSampler`` is added only when there is more than one worker, the loader has
@@ -173,7 +173,8 @@ def _with_distributed_sampler(loader: DataLoader, rank: int, world_size: int) ->
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
         logger.warning(
             "prepare_data_loader: replacing the loader's %s with a shuffling DistributedSampler; "
-            "pass add_dist_sampler=False to keep it.", type(loader.sampler).__name__,
+            "pass add_dist_sampler=False to keep it.",
+            type(loader.sampler).__name__,
         )
     shuffle = not isinstance(loader.sampler, SequentialSampler)
     sampler = EpochTrackingSampler(
@@ -328,4 +329,6 @@ _AMP_INSTEAD = (
 )
 accelerate = removed_function("lockstep.torch.accelerate", _AMP_INSTEAD)
 backward = removed_function("lockstep.torch.backward", "call loss.backward(), or with AMP " + _AMP_INSTEAD)
-prepare_optimizer = removed_function("lockstep.torch.prepare_optimizer", "use the optimizer as it is; for AMP " + _AMP_INSTEAD)
+prepare_optimizer = removed_function(
+    "lockstep.torch.prepare_optimizer", "use the optimizer as it is; for AMP " + _AMP_INSTEAD
+)

@@ -13,13 +13,13 @@ the one place that picks one for a ``fit()``:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from lockstep._internal import warm_start
 from lockstep._internal.executors.base import Executor
-from lockstep._internal.worker_group import GroupSpec
 from lockstep._internal.rank_env import launched_by_launcher
+from lockstep._internal.worker_group import GroupSpec
 from lockstep.config import ScalingConfig
 
 logger = logging.getLogger(__name__)

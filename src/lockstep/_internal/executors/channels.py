@@ -15,9 +15,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lockstep._internal import channel, protocol
-from lockstep._internal.worker_group import WorkerExited, WorkerGroup
 from lockstep._internal.failures import FailureKind
 from lockstep._internal.link_watch import LOST_EXIT_CODE, lost_link_cause
+from lockstep._internal.worker_group import WorkerExited, WorkerGroup
 from lockstep._internal.worker_output import ConsoleMode, OutputRelay
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,9 @@ class WorkerConnections:
         try:
             connection, hello = self.listener.accept(self._refusal)
         except (OSError, EOFError, AuthenticationError, ValueError) as error:
-            logger.warning("refused a connection that is not one of this run's workers: %s",
-                           error or type(error).__name__)
+            logger.warning(
+                "refused a connection that is not one of this run's workers: %s", error or type(error).__name__
+            )
             return []
         self._by_rank[hello.rank] = connection
         self._rank_of[id(connection)] = hello.rank
@@ -91,9 +92,13 @@ class WorkerConnections:
         """Close rank ``rank``'s channel for ``violation``; the failure that says so."""
         logger.warning("closed rank %d's channel: %s", rank, violation)
         self._forget(connection)
-        return protocol.Failed(FailureKind.CHANNEL_VIOLATION.failure(
-            rank, f"{violation}; lockstep closed its channel (a message's rank is the rank of the channel it "
-                  "comes on, and nothing it carries was unpickled)"))
+        return protocol.Failed(
+            FailureKind.CHANNEL_VIOLATION.failure(
+                rank,
+                f"{violation}; lockstep closed its channel (a message's rank is the rank of the channel it "
+                "comes on, and nothing it carries was unpickled)",
+            )
+        )
 
     def drain_rank(self, rank: int, until_closed_s: float = 0.0) -> list[Any]:
         """What ``rank`` sent and is not read yet. With ``until_closed_s``, keep reading until the

@@ -13,9 +13,9 @@ included) reaches over the usual channel. Only what rank 0 decides crosses betwe
   starts (first report index, checkpoint) and the report barrier.
 
 No pickle travels through the store, and what it holds does not open a channel: a peer that
-reaches the store alone can't speak to rank 0's controller, let alone run code. Restarts are torchrun's business (``--max-restarts``): the run name is
-derived from torchrun's run id, so a restarted group continues the same run from its latest
-checkpoint.
+reaches the store alone can't speak to rank 0's controller, let alone run code. Restarts are
+torchrun's business (``--max-restarts``): the run name is derived from torchrun's run id, so a
+restarted group continues the same run from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -25,23 +25,24 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import network, protocol
 from lockstep._internal.channel import ENV_AUTHKEY, connect_to_driver, rank_credential
 from lockstep._internal.config_checks import check_run_name
 from lockstep._internal.executors.base import Executor
-from lockstep._internal.worker_group import GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.shared_secret import read_secret, remove_secret, write_secret
 from lockstep._internal.link_watch import LOST_EXIT_CODE, STUCK_GRACE_S, DriverWatch
 from lockstep._internal.preemption import RANK_HANGUP, HangUp, Preemption, PreemptionStop, hung_up, rank_signals
 from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.run_names import default_run_name
-from lockstep._internal.worker import run_to_outcome
 from lockstep._internal.session_state import current_session
+from lockstep._internal.worker import run_to_outcome
+from lockstep._internal.worker_group import GroupFactory
 from lockstep.errors import ControllerError, PreemptionError, WorkerGroupError, error_class_named
 
 if TYPE_CHECKING:
@@ -71,9 +72,14 @@ class Launch:
         rank_env = RankEnv.from_environ(os.environ)
         if rank_env.node_addr is None:
             multi_node = rank_env.world_size > rank_env.local_world_size
-            rank_env = replace(rank_env, node_addr=network.own_address(rank_env.master_addr, rank_env.master_port, multi_node))
-        return cls(rank_env, os.environ.get("TORCHELASTIC_RUN_ID", "none"),
-                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            rank_env = replace(
+                rank_env, node_addr=network.own_address(rank_env.master_addr, rank_env.master_port, multi_node)
+            )
+        return cls(
+            rank_env,
+            os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
 
     @property
     def rank(self) -> int:
@@ -152,8 +158,9 @@ class ExternalExecutor(Executor):
 
     def _drive_and_run_rank_0(self, job: TrainJob, driver: RunDriver) -> Result:
         size = self.launch_info.world_size
-        group = AttachedGroup("0.0.0.0", size, "its process closed its channel to rank 0: it exited or crashed",
-                              name_hosts=True)
+        group = AttachedGroup(
+            "0.0.0.0", size, "its process closed its channel to rank 0: it exited or crashed", name_hosts=True
+        )
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, size, size), restarts=False)
             secret_file = write_secret(job.storage, group.listener.secret)
@@ -163,8 +170,9 @@ class ExternalExecutor(Executor):
             raise
         try:
             publish_channel(self.launch_info, self.store, group=group, secret_file=secret_file)
-            thread = ControllerThread(lambda: driver.drive(controller),
-                                      lambda error: announce_end(self.launch_info, self.store, error))
+            thread = ControllerThread(
+                lambda: driver.drive(controller), lambda error: announce_end(self.launch_info, self.store, error)
+            )
             thread.start()
             try:
                 self._run_rank(job, group.keep_return_value, controller.preemption)
@@ -179,7 +187,9 @@ class ExternalExecutor(Executor):
         return thread.result
 
     def _run_rank(
-        self, job: TrainJob, keep_return_value: Callable[[Any], None] | None = None,
+        self,
+        job: TrainJob,
+        keep_return_value: Callable[[Any], None] | None = None,
         preemption: Preemption | None = None,
     ) -> tuple[Any, int, int]:
         """Connect to rank 0's channel and run this rank's own job here; return its outcome, its
@@ -187,12 +197,19 @@ class ExternalExecutor(Executor):
         HangUp in the train function (on rank 0, after telling its controller's ``preemption``)."""
         launch = self.launch_info
         channel_env = await_channel(launch, self.store, job.storage)
-        rank_env = replace(launch.rank_env, store_is_hosted=True, store_prefix=launch.key("pg"),
-                           gpu_ids=(str(launch.rank_env.local_rank),) if self.use_gpu else ())
+        rank_env = replace(
+            launch.rank_env,
+            store_is_hosted=True,
+            store_prefix=launch.key("pg"),
+            gpu_ids=(str(launch.rank_env.local_rank),) if self.use_gpu else (),
+        )
         os.environ.update(rank_env.variables())
         channel = connect_to_driver(launch.rank, channel_env)
-        watch = nullcontext() if launch.rank == 0 else DriverWatch(channel.fileno(), launch.rank,
-                                                                   channel_env[ENV_DRIVER_ADDRESS])
+        watch = (
+            nullcontext()
+            if launch.rank == 0
+            else DriverWatch(channel.fileno(), launch.rank, channel_env[ENV_DRIVER_ADDRESS])
+        )
         # torchrun forwards its SIGTERM (a notice) and its SIGHUP (HangUp) to every rank
         with rank_signals(channel, launch.rank, hang_up=True, controller=preemption) as signals, watch:
             outcome, exit_code = run_to_outcome(rank_env, channel, lambda: job, keep_return_value=keep_return_value)
@@ -235,7 +252,9 @@ class ControllerThread(threading.Thread):
         rank_done: Set by the main thread once rank 0's train function has ended.
     """
 
-    def __init__(self, drive: Callable[[], Result], announce: Callable[[BaseException | None], None] | None = None) -> None:
+    def __init__(
+        self, drive: Callable[[], Result], announce: Callable[[BaseException | None], None] | None = None
+    ) -> None:
         super().__init__(daemon=True, name="lockstep-controller")
         self.drive = drive
         self.announce = announce
@@ -252,10 +271,13 @@ class ControllerThread(threading.Thread):
             self._end_stuck_rank(self.announce)
 
     def _end_stuck_rank(self, announce: Callable[[BaseException | None], None]) -> None:
-        logger.error("The run has ended (%s), but rank 0's train function has not returned %g s later (it is most "
-                     "likely waiting in a collective for a rank that is gone). This process exits now (code %d).",
-                     "succeeded" if self.error is None else f"{type(self.error).__name__}: {self.error}",
-                     STUCK_GRACE_S, LOST_EXIT_CODE)
+        logger.error(
+            "The run has ended (%s), but rank 0's train function has not returned %g s later (it is most "
+            "likely waiting in a collective for a rank that is gone). This process exits now (code %d).",
+            "succeeded" if self.error is None else f"{type(self.error).__name__}: {self.error}",
+            STUCK_GRACE_S,
+            LOST_EXIT_CODE,
+        )
         try:
             announce(self.error)
         finally:
@@ -274,8 +296,11 @@ def rendezvous_store(launch: Launch) -> Any:
 
     uses_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = TCPStore(
-        launch.rank_env.master_addr, launch.rank_env.master_port, world_size=None,
-        is_master=launch.rank == 0 and not uses_agent_store, timeout=datetime.timedelta(seconds=300),
+        launch.rank_env.master_addr,
+        launch.rank_env.master_port,
+        world_size=None,
+        is_master=launch.rank == 0 and not uses_agent_store,
+        timeout=datetime.timedelta(seconds=300),
         wait_for_workers=False,
     )
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -306,7 +331,10 @@ def publish_host(launch: Launch) -> str:
 
 
 def publish_channel(
-    launch: Launch, store: Any, group: AttachedGroup | None = None, secret_file: str | None = None,
+    launch: Launch,
+    store: Any,
+    group: AttachedGroup | None = None,
+    secret_file: str | None = None,
     error: str | None = None,
 ) -> None:
     """Rank 0 tells the other ranks where its channel is and which file of the run folder holds
@@ -333,7 +361,9 @@ def await_channel(launch: Launch, store: Any, storage: RunStorage) -> dict[str, 
     try:
         secret = read_secret(storage, str(entry.get("secret_file")))
     except (ValueError, FileNotFoundError) as error:
-        if isinstance(error, FileNotFoundError) and store.check([launch.key("end")]):  # rank 0 removed it: the run ended
+        if isinstance(error, FileNotFoundError) and store.check(
+            [launch.key("end")]
+        ):  # rank 0 removed it: the run ended
             await_end(launch, store)
             raise ControllerError(f"The run ended before rank {launch.rank} could connect to it.") from error
         raise ControllerError(f"rank {launch.rank} can't open its channel to rank 0: {error}") from error

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 from lockstep._internal import protocol
 from lockstep._internal.channel import WorkerChannel, connect_to_driver
 from lockstep._internal.executors.base import Executor
-from lockstep._internal.worker_group import GroupFactory
 from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.external import ControllerThread
 from lockstep._internal.preemption import Preemption, PreemptionStop, rank_signals
 from lockstep._internal.rank_env import RankEnv
+from lockstep._internal.worker_group import GroupFactory
 from lockstep.backend import BackendConfig
 
 if TYPE_CHECKING:
@@ -84,8 +84,10 @@ class InlineExecutor(Executor):
                 as failed).
         """
         if driver.run_config.failure_config.max_failures != 0:
-            logger.info("Local mode (num_workers=0) does not restart a failed train function: "
-                        "FailureConfig.max_failures is not used.")
+            logger.info(
+                "Local mode (num_workers=0) does not restart a failed train function: "
+                "FailureConfig.max_failures is not used."
+            )
         group = AttachedGroup(LOOPBACK, 1, "the train function's channel closed before it finished")
         try:
             controller = driver.prepare(GroupFactory(self.name, lambda _: group, 1, 1), restarts=False)
@@ -106,15 +108,23 @@ class InlineExecutor(Executor):
         """Run the train function on this thread as rank 0, connected to ``group``'s channel.
         Return the KeyboardInterrupt (or alike: a SIGHUP's HangUp, after ``preemption`` told the
         controller) that stopped it, to raise once the run is recorded."""
-        from lockstep._internal.worker import describe_failure, run_rank
         from lockstep._internal.session_state import set_session
+        from lockstep._internal.worker import describe_failure, run_rank
 
         channel = connect_to_driver(0, group.listener.worker_env(0))
         interrupted: BaseException | None = None
         try:
-            with rank_signals(channel, 0, hang_up=True, controller=preemption):  # SIGTERM: a notice; SIGHUP: interrupted
-                group.keep_return_value(run_rank(self._rank_env(), channel, lambda: _without_worker_setup(job),
-                                                 {name: dataset.iterator() for name, dataset in self.ray_datasets.items()}))
+            with rank_signals(
+                channel, 0, hang_up=True, controller=preemption
+            ):  # SIGTERM: a notice; SIGHUP: interrupted
+                group.keep_return_value(
+                    run_rank(
+                        self._rank_env(),
+                        channel,
+                        lambda: _without_worker_setup(job),
+                        {name: dataset.iterator() for name, dataset in self.ray_datasets.items()},
+                    )
+                )
             outcome: Any = protocol.Finished(0, None)
         except BaseException as error:  # noqa: BLE001 - the controller must hear of every failure
             error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None  # not this frame
@@ -129,9 +139,17 @@ class InlineExecutor(Executor):
         """The only rank: world size 1, this process's threads and (with use_gpu) current GPU."""
         import torch
 
-        return RankEnv(world_rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                       master_addr=LOOPBACK, master_port=0, threads=torch.get_num_threads(),
-                       gpu_ids=current_gpu_id() if self.use_gpu else ())
+        return RankEnv(
+            world_rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=0,
+            master_addr=LOOPBACK,
+            master_port=0,
+            threads=torch.get_num_threads(),
+            gpu_ids=current_gpu_id() if self.use_gpu else (),
+        )
 
 
 def check_local_mode(scaling: ScalingConfig) -> None:
@@ -155,7 +173,9 @@ def current_gpu_id() -> tuple[str, ...]:
     from lockstep._internal.devices import usable_gpu_ids
 
     if not torch.cuda.is_available():
-        logger.warning("ScalingConfig(use_gpu=True) in local mode, but torch sees no GPU: the train function runs on the CPU.")
+        logger.warning(
+            "ScalingConfig(use_gpu=True) in local mode, but torch sees no GPU: the train function runs on the CPU."
+        )
         return ()
     return (usable_gpu_ids()[torch.cuda.current_device()],)
 
@@ -187,6 +207,8 @@ def local_mode_claimed(run_name: str) -> Iterator[None]:
         yield
     finally:
         release_local_mode()
+
+
 def claim_local_mode(run_name: str) -> None:
     """Make ``run_name`` the one local-mode run of this process.
 

@@ -18,20 +18,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import warm_start
-from lockstep._internal.python_path import worker_pythonpath
 from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import Executor
-from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.local_resources import check_local_resources, cpus_in_use, local_capacity
 from lockstep._internal.payload import TrainJob, serialize_payload
+from lockstep._internal.python_path import worker_pythonpath
 from lockstep._internal.rank_env import RankEnv, threads_for
 from lockstep._internal.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
+from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
 
 if TYPE_CHECKING:
     from lockstep._internal.driver import RunDriver
@@ -73,8 +73,12 @@ def start_rank_process(env: dict[str, str], payload_fd: int, piped: bool) -> sub
     :mod:`lockstep._internal.warm_start` for the warm one), its output piped when ``piped``."""
     stream = subprocess.PIPE if piped else None
     return subprocess.Popen(
-        [sys.executable, "-m", "lockstep._internal.worker"], env=env, start_new_session=True,
-        pass_fds=[payload_fd], stdout=stream, stderr=stream,
+        [sys.executable, "-m", "lockstep._internal.worker"],
+        env=env,
+        start_new_session=True,
+        pass_fds=[payload_fd],
+        stdout=stream,
+        stderr=stream,
     )
 
 
@@ -100,10 +104,15 @@ class LocalExecutor(Executor):
         """Serialize the job once, then let the driver run attempts of fresh processes."""
         payload = serialize_payload(job)
         spec = replace(self.spec, log_dir=driver.log_dir, console=driver.console)
-        return driver.run(GroupFactory(
-            self.name, lambda size: LocalWorkerGroup(replace(spec, num_workers=size), payload),
-            self.min_workers, self.max_workers, lambda: local_capacity(spec),
-        ))
+        return driver.run(
+            GroupFactory(
+                self.name,
+                lambda size: LocalWorkerGroup(replace(spec, num_workers=size), payload),
+                self.min_workers,
+                self.max_workers,
+                lambda: local_capacity(spec),
+            )
+        )
 
 
 class LocalWorkerGroup(ChannelGroup):
@@ -139,11 +148,20 @@ class LocalWorkerGroup(ChannelGroup):
 
     def _worker_env(self, rank: int, master_port: int, gpu_ids: list[str]) -> dict[str, str]:
         num_workers = self.spec.num_workers
-        own_gpus = tuple(gpu_ids[slot] for slot in gpu_slots(rank, self.spec.gpus_per_worker)) if self.spec.use_gpu else ()
+        own_gpus = (
+            tuple(gpu_ids[slot] for slot in gpu_slots(rank, self.spec.gpus_per_worker)) if self.spec.use_gpu else ()
+        )
         rank_env = RankEnv(
-            world_rank=rank, world_size=num_workers, local_rank=rank, local_world_size=num_workers, node_rank=0,
-            master_addr=LOOPBACK, master_port=master_port, threads=threads_for(self.spec.cpus_per_worker),
-            visible_gpus=own_gpus if self.spec.use_gpu else None, gpu_ids=own_gpus,
+            world_rank=rank,
+            world_size=num_workers,
+            local_rank=rank,
+            local_world_size=num_workers,
+            node_rank=0,
+            master_addr=LOOPBACK,
+            master_port=master_port,
+            threads=threads_for(self.spec.cpus_per_worker),
+            visible_gpus=own_gpus if self.spec.use_gpu else None,
+            gpu_ids=own_gpus,
         )
         env = dict(os.environ)
         env.update(
@@ -198,10 +216,8 @@ class LocalWorkerGroup(ChannelGroup):
     def stop(self) -> None:
         """SIGKILL every rank's process group and reap the processes."""
         for process in self._processes.values():
-            try:
+            with suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         for process in self._processes.values():
             process.wait()
         for handle in self._exit_handles.values():
@@ -237,5 +253,5 @@ def _payload_in_memory(payload: bytes) -> int:
     handle = os.memfd_create("lockstep_payload", os.MFD_CLOEXEC)
     view = memoryview(payload)
     while view:
-        view = view[os.write(handle, view):]
+        view = view[os.write(handle, view) :]
     return handle

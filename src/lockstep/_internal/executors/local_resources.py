@@ -49,7 +49,10 @@ def check_local_resources(spec: GroupSpec) -> None:
     if wanted > cpus:
         logger.warning(
             "%d workers x %g CPUs = %g CPUs, but this machine has %d; they will share cores and run slower.",
-            spec.num_workers, spec.cpus_per_worker, wanted, cpus,
+            spec.num_workers,
+            spec.cpus_per_worker,
+            wanted,
+            cpus,
         )
 
 
@@ -96,8 +99,13 @@ def cpus_in_use(cpus: float) -> Iterator[None]:
         if fits > 1 and total > machine and not _warned_together:
             _warned_together = warn = True
     if warn:
-        logger.warning("%d fits at once ask for %g CPUs in all, but this machine has %d; their workers will share "
-                       "cores and run slower (run fewer at once, e.g. Optuna's n_jobs).", fits, total, machine)
+        logger.warning(
+            "%d fits at once ask for %g CPUs in all, but this machine has %d; their workers will share "
+            "cores and run slower (run fewer at once, e.g. Optuna's n_jobs).",
+            fits,
+            total,
+            machine,
+        )
     try:
         yield
     finally:

@@ -16,22 +16,28 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from lockstep._internal import protocol
 from lockstep._internal.executors.base import Executor
-from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.ray_drain import DrainWatcher
-from lockstep._internal.python_path import user_python_path
 from lockstep._internal.executors.ray_placement import (
-    RankPlace, assign_ranks, check_request, cluster_capacity, rank_env, reserve, worker_bundle,
+    RankPlace,
+    assign_ranks,
+    check_request,
+    cluster_capacity,
+    rank_env,
+    reserve,
+    worker_bundle,
 )
 from lockstep._internal.executors.ray_pool import POOL, KeptGroup, reuse_enabled, shape_of
 from lockstep._internal.payload import TrainJob, serialize_payload
+from lockstep._internal.python_path import user_python_path
 from lockstep._internal.ray_actor import RayWorker
+from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep.errors import TrainingFailedError
 
 if TYPE_CHECKING:
@@ -82,12 +88,18 @@ def connect(address: str | None) -> None:
 # -- datasets -----------------------------------------------------------------------------------
 
 
-def split_datasets(datasets: Mapping[str, Any], count: int, should_split: Callable[[str], bool]) -> list[dict[str, Any]]:
+def split_datasets(
+    datasets: Mapping[str, Any], count: int, should_split: Callable[[str], bool]
+) -> list[dict[str, Any]]:
     """One dict of data iterators per rank: an equal streaming split of each dataset to split,
     and an iterator over the whole dataset for the others."""
     shards: list[dict[str, Any]] = [{} for _ in range(count)]
     for name, dataset in datasets.items():
-        parts = dataset.streaming_split(count, equal=True) if should_split(name) else [dataset.iterator() for _ in range(count)]
+        parts = (
+            dataset.streaming_split(count, equal=True)
+            if should_split(name)
+            else [dataset.iterator() for _ in range(count)]
+        )
         for rank, part in enumerate(parts):
             shards[rank][name] = part
     return shards
@@ -107,8 +119,9 @@ class RayExecutor(Executor):
 
     name = "ray"
 
-    def __init__(self, scaling: ScalingConfig, spec: GroupSpec, datasets: Mapping[str, Any],
-                 should_split: Callable[[str], bool]) -> None:
+    def __init__(
+        self, scaling: ScalingConfig, spec: GroupSpec, datasets: Mapping[str, Any], should_split: Callable[[str], bool]
+    ) -> None:
         check_request(spec)
         logger.info("Running %s workers on the Ray cluster.", scaling.num_workers)
         self.spec = spec
@@ -133,8 +146,9 @@ class RayExecutor(Executor):
             return RayWorkerGroup(replace(spec, num_workers=size), payload, self.datasets, self.should_split, parked)
 
         try:
-            result = driver.run(GroupFactory(self.name, start_group, self.min_workers, self.max_workers,
-                                             lambda: cluster_capacity(spec)))
+            result = driver.run(
+                GroupFactory(self.name, start_group, self.min_workers, self.max_workers, lambda: cluster_capacity(spec))
+            )
         except BaseException:
             for group in parked or []:
                 group.release()
@@ -153,8 +167,12 @@ class RayWorkerGroup(ChannelGroup):
     cleanly (the executor then keeps or releases them)."""
 
     def __init__(
-        self, spec: GroupSpec, payload: bytes, datasets: Mapping[str, Any] | None = None,
-        should_split: Callable[[str], bool] = lambda name: True, parked: list[KeptGroup] | None = None,
+        self,
+        spec: GroupSpec,
+        payload: bytes,
+        datasets: Mapping[str, Any] | None = None,
+        should_split: Callable[[str], bool] = lambda name: True,
+        parked: list[KeptGroup] | None = None,
     ) -> None:
         import ray
 
@@ -183,7 +201,11 @@ class RayWorkerGroup(ChannelGroup):
 
         kept = POOL.take(shape_of(self.spec)) if self._parked is not None else None
         if kept is not None:
-            self._placement_group, self._actors, self._places = kept.placement_group, list(kept.actors), list(kept.places)
+            self._placement_group, self._actors, self._places = (
+                kept.placement_group,
+                list(kept.actors),
+                list(kept.places),
+            )
         else:
             self._start_actors()
         self._run_all(ray.put(self.payload))
@@ -196,12 +218,16 @@ class RayWorkerGroup(ChannelGroup):
         self._placement_group = reserve(self.spec)
         actor_class = ray.remote(RayWorker)
         bundle = worker_bundle(self.spec)
-        actors = [
+        actors: list[Any] = [
             actor_class.options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), memory=bundle.get("memory"),
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                memory=bundle.get("memory"),
                 resources={key: value for key, value in bundle.items() if key not in ("CPU", "GPU", "memory")},
                 max_concurrency=2,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement_group, placement_group_bundle_index=index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement_group, placement_group_bundle_index=index
+                ),
             ).remote()
             for index in range(self.spec.num_workers)
         ]
@@ -209,7 +235,10 @@ class RayWorkerGroup(ChannelGroup):
         places = self._get([actor.place.remote() for actor in actors], "start")
         self._places = assign_ranks(places, ray.get_runtime_context().get_node_id())
         self._actors = [actors[rank.actor_index] for rank in self._places]
-        logger.debug("Ray actors placed: %s", [(rank.world_rank, rank.place.node_ip, rank.place.node_id[:8]) for rank in self._places])
+        logger.debug(
+            "Ray actors placed: %s",
+            [(rank.world_rank, rank.place.node_ip, rank.place.node_id[:8]) for rank in self._places],
+        )
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         import ray
@@ -226,7 +255,7 @@ class RayWorkerGroup(ChannelGroup):
         (master_port,) = self._get([self._actors[0].free_port.remote()], "answer")
         shards = split_datasets(self.datasets, self.spec.num_workers, self.should_split)
         runs = {}
-        for rank, actor in zip(self._places, self._actors):
+        for rank, actor in zip(self._places, self._actors, strict=True):
             env = rank_env(self._places, rank, master_port, self.spec.cpus_per_worker, self.spec.use_gpu).variables()
             env.update(self._channels.worker_env(rank.world_rank))
             runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path())] = rank.world_rank
@@ -319,16 +348,23 @@ class RayWorkerGroup(ChannelGroup):
         """Whether the actors may be kept: every rank's run returned after its train function
         returned or it left at a stop (no failure, no dead actor)."""
         ranks = set(range(len(self._actors)))
-        return (bool(ranks) and self._left_cleanly == ranks and set(self._exits) == ranks
-                and all(exited.cause is None and exited.returncode in (0, 1) for exited in self._exits.values()))
+        return (
+            bool(ranks)
+            and self._left_cleanly == ranks
+            and set(self._exits) == ranks
+            and all(exited.cause is None and exited.returncode in (0, 1) for exited in self._exits.values())
+        )
 
 
 def _ranks_leaving_cleanly(events: list[Any]) -> set[int]:
     """The ranks whose train function returned, or that left at a stop (a preemption's too: a
     preempted run raises, and the executor then keeps nothing)."""
     ranks = {event.rank for event in events if isinstance(event, protocol.Finished)}
-    return ranks | {event.failure.rank for event in events
-                    if isinstance(event, protocol.Failed) and event.failure.error_type == "PreemptionStop"}
+    return ranks | {
+        event.failure.rank
+        for event in events
+        if isinstance(event, protocol.Failed) and event.failure.error_type == "PreemptionStop"
+    }
 
 
 def _exit_of(rank: int, ref: Any) -> WorkerExited:

@@ -52,8 +52,13 @@ class DrainWatcher:
         interval_s: Seconds between two polls.
     """
 
-    def __init__(self, places: Iterable[RankPlace], wake: Callable[[], None],
-                 poll: Callable[[], dict[str, int]] = draining_nodes, interval_s: float = POLL_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        places: Iterable[RankPlace],
+        wake: Callable[[], object],
+        poll: Callable[[], dict[str, int]] = draining_nodes,
+        interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
         self._nodes: dict[str, tuple[str, list[int]]] = {}
         for rank in places:
             self._nodes.setdefault(rank.place.node_id, (rank.place.node_ip, []))[1].append(rank.world_rank)
@@ -84,8 +89,11 @@ class DrainWatcher:
             try:
                 drained = self._poll()
             except Exception as error:  # noqa: BLE001 - a private Ray call: never fail the run over it
-                logger.debug("Can't see Ray's node drains (%s: %s); they are not watched for this worker group.",
-                             type(error).__name__, error)
+                logger.debug(
+                    "Can't see Ray's node drains (%s: %s); they are not watched for this worker group.",
+                    type(error).__name__,
+                    error,
+                )
                 return
             if self._notice(drained):
                 self._wake()
@@ -97,11 +105,18 @@ class DrainWatcher:
         for node_id in fresh:
             self._noticed.add(node_id)
             host, ranks = self._nodes[node_id]
-            logger.warning("Ray is draining node %s (%s), where rank(s) %s run (Ray's deadline: %s).",
-                           node_id[:8], host, ranks, _deadline_text(drained[node_id]))
+            logger.warning(
+                "Ray is draining node %s (%s), where rank(s) %s run (Ray's deadline: %s).",
+                node_id[:8],
+                host,
+                ranks,
+                _deadline_text(drained[node_id]),
+            )
             deadline_ms = _deadline_ms(drained[node_id])
             for rank in ranks:
-                self._notices.put(protocol.PreemptionNotice(rank, host, cause="a Ray node drain", deadline_ms=deadline_ms))
+                self._notices.put(
+                    protocol.PreemptionNotice(rank, host, cause="a Ray node drain", deadline_ms=deadline_ms)
+                )
         return bool(fresh)
 
 

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep._internal.worker_group import GroupSpec
 from lockstep._internal.rank_env import RankEnv, threads_for
 from lockstep._internal.ray_actor import WorkerPlace
+from lockstep._internal.worker_group import GroupSpec
 from lockstep.errors import TrainingFailedError
 
 ACCELERATOR_SHARE = 0.001
@@ -46,7 +46,9 @@ def cluster_capacity(spec: GroupSpec) -> int:
     return placement_capacity(worker_bundle(spec), spec.placement_strategy, list(alive_nodes().values()))
 
 
-def placement_problem(bundle: Mapping[str, float], count: int, strategy: str, nodes: list[Mapping[str, float]]) -> str | None:
+def placement_problem(
+    bundle: Mapping[str, float], count: int, strategy: str, nodes: list[Mapping[str, float]]
+) -> str | None:
     """Why ``count`` bundles can never be placed with ``strategy`` on ``nodes`` (each node's
     total resources), or None when they can."""
     fits = [workers_fitting(node, bundle) for node in nodes]
@@ -74,7 +76,8 @@ def _amount(key: str, value: float) -> str:
 def _short_resources(resources: Mapping[str, float]) -> str:
     """The resources that mean something to a user (not Ray's per-node markers or its object store)."""
     return ", ".join(
-        f"{key}={_amount(key, value)}" for key, value in sorted(resources.items())
+        f"{key}={_amount(key, value)}"
+        for key, value in sorted(resources.items())
         if not key.startswith("node:") and key != "object_store_memory"
     )
 
@@ -85,7 +88,8 @@ def alive_nodes() -> dict[str, dict[str, float]]:
 
     return {
         f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})": dict(node["Resources"])
-        for node in ray.nodes() if node.get("Alive")
+        for node in ray.nodes()
+        if node.get("Alive")
     }
 
 
@@ -109,9 +113,8 @@ def reserve(spec: GroupSpec) -> Any:
         TrainingFailedError: the cluster can never hold them, or didn't within
             ``spec.placement_timeout_s``.
     """
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     check_request(spec, TrainingFailedError)
     bundle = worker_bundle(spec)
@@ -173,8 +176,16 @@ def rank_env(ranks: list[RankPlace], rank: RankPlace, master_port: int, cpus: fl
     others join), and with GPUs a rank sees every GPU of its node's ranks."""
     node_gpus = [gpu for other in ranks if other.node_rank == rank.node_rank for gpu in other.place.gpu_ids]
     return RankEnv(
-        world_rank=rank.world_rank, world_size=len(ranks), local_rank=rank.local_rank,
-        local_world_size=rank.local_world_size, node_rank=rank.node_rank, master_addr=ranks[0].place.node_ip,
-        master_port=master_port, threads=threads_for(cpus), visible_gpus=tuple(dict.fromkeys(node_gpus)) if use_gpu else None,
-        gpu_ids=rank.place.gpu_ids if use_gpu else (), store_is_hosted=False, node_addr=rank.place.node_ip,
+        world_rank=rank.world_rank,
+        world_size=len(ranks),
+        local_rank=rank.local_rank,
+        local_world_size=rank.local_world_size,
+        node_rank=rank.node_rank,
+        master_addr=ranks[0].place.node_ip,
+        master_port=master_port,
+        threads=threads_for(cpus),
+        visible_gpus=tuple(dict.fromkeys(node_gpus)) if use_gpu else None,
+        gpu_ids=rank.place.gpu_ids if use_gpu else (),
+        store_is_hosted=False,
+        node_addr=rank.place.node_ip,
     )

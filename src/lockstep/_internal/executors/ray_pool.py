@@ -56,9 +56,14 @@ class Shape:
 def shape_of(spec: GroupSpec) -> Shape:
     """The shape of a group of ``spec`` in this process's current Ray job."""
     return Shape(
-        spec.num_workers, float(spec.cpus_per_worker), float(spec.gpus_per_worker), spec.use_gpu,
+        spec.num_workers,
+        float(spec.cpus_per_worker),
+        float(spec.gpus_per_worker),
+        spec.use_gpu,
         tuple(sorted((key, float(amount)) for key, amount in spec.resources_per_worker.items())),
-        spec.placement_strategy, spec.accelerator_type, current_ray_job(),
+        spec.placement_strategy,
+        spec.accelerator_type,
+        current_ray_job(),
     )
 
 

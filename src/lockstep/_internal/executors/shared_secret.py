@@ -14,6 +14,7 @@ the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -47,8 +48,10 @@ def read_secret(storage: RunStorage, name: str) -> bytes:
         FileNotFoundError: the file is not there: this rank does not see rank 0's storage.
     """
     if not SECRET_FILE_NAME.match(name):
-        raise ValueError(f"the rendezvous store names {name!r} as the channel's secret file, which lockstep never "
-                         "writes: something else wrote to torchrun's store")
+        raise ValueError(
+            f"the rendezvous store names {name!r} as the channel's secret file, which lockstep never "
+            "writes: something else wrote to torchrun's store"
+        )
     storage.refresh()
     path = storage.path_of(SECRET_FOLDER, name)
     try:
@@ -57,13 +60,12 @@ def read_secret(storage: RunStorage, name: str) -> bytes:
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"rank 0's channel secret {path} is not on this rank's storage: every rank must see the same "
-            "RunConfig.storage_path (a shared filesystem or an object store)") from error
+            "RunConfig.storage_path (a shared filesystem or an object store)"
+        ) from error
 
 
 def remove_secret(storage: RunStorage, name: str) -> None:
     """Remove the secret file ``name`` (once the run has ended); a missing one is fine."""
     path = storage.path_of(SECRET_FOLDER, name)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         storage.filesystem.rm(path)
-    except FileNotFoundError:
-        pass
