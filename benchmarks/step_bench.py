@@ -24,7 +24,7 @@ part 1 stays, as the explanation of where any difference goes.
      that waiting for another rank adds no noise): ``--model-block`` training steps (forward,
      loss, backward, SGD step; a fixed batch of 32 images) of the seed 003 MLP wrapped as
      ``prepare_model`` wraps it on CPU (``with_all_reduce_timing(DistributedDataParallel(m))``:
-     DDP with lockstep's step counter for the all-reduce wait, from ``lockstep._internal.step_timing``;
+     DDP with lockstep's step counter for the all-reduce wait, from ``lockstep._internal.rank.step_timing``;
      outside a run ``prepare_model`` itself sees one worker and does not wrap) against
      ``DistributedDataParallel(m)``. The wrapper's work (a forward pre-hook counting steps; DDP's
      own sampled statistics are read once per report) does not depend on the number of ranks;
@@ -205,7 +205,7 @@ def direct_model(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lockstep._internal.step_timing import CLOCK, with_all_reduce_timing
+    from lockstep._internal.rank.step_timing import CLOCK, with_all_reduce_timing
     from mlp_common import NeuralNetwork
 
     threads = torch.get_num_threads()

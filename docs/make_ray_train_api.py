@@ -2,7 +2,7 @@
 ``torch``, ``lightning``, ``huggingface.transformers`` and ``collective`` modules, plus
 ``ray.air.session``) with what lockstep does with it.
 
-The statuses come from ``lockstep._internal.ray_names`` (the list the tests check against the
+The statuses come from ``lockstep._internal.ray_compat.ray_names`` (the list the tests check against the
 code); modules it does not cover yet get theirs from ``FALLBACK`` below. Before writing, every
 status is checked against the code: a name said to be provided (or deprecated) must import from
 lockstep, one said not to be provided must not, and every name in Ray's ``__all__`` must have a
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lockstep._internal.ray_names import RAY_NAMES, NameStatus
+from lockstep._internal.ray_compat.ray_names import RAY_NAMES, NameStatus
 
 DOC = Path(__file__).resolve().parent / "ray_train_api.md"
 RAY_MODULES = ("ray.train", "ray.train.torch", "ray.train.lightning", "ray.train.huggingface.transformers",
@@ -68,7 +68,7 @@ functions of `ray.air.session`), and what lockstep does with it. The import swap
   to use instead.
 - **not provided**: importing it from lockstep fails; the note says what to use instead.
 
-This file is written by `docs/make_ray_train_api.py` from `lockstep/_internal/ray_names.py`
+This file is written by `docs/make_ray_train_api.py` from `lockstep/_internal/ray_compat/ray_names.py`
 (checked by the tests against the code); `python docs/make_ray_train_api.py --check` fails when
 it is stale.
 """

@@ -33,7 +33,7 @@ def tagged_processes() -> list[int]:
     """Processes other than this one that inherited this test session's tag (workers,
     drivers started by tests, their children). This process's warm process (started when a
     test module imported lockstep.torch, kept for the whole session) is not counted."""
-    from lockstep._internal.warm_start import warm_process_pid
+    from lockstep._internal.warm.warm_start import warm_process_pid
 
     found = []
     needle = TEST_TAG.encode()

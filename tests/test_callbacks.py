@@ -18,8 +18,9 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig
-from lockstep._internal import controller, progress
-from lockstep._internal.listeners import Listeners, LogLines, listeners_for
+from lockstep._internal.run import controller
+from lockstep._internal.output import progress
+from lockstep._internal.output.listeners import Listeners, LogLines, listeners_for
 from lockstep.callbacks import AttemptStart, Callback, CSVLogger, JSONLogger, MLflowLogger, RunInfo, TensorBoardLogger
 from lockstep.torch import TorchTrainer
 

@@ -19,10 +19,10 @@ import pytest
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig, TrainingFailedError
-from lockstep._internal import channel, protocol
+from lockstep._internal.wire import channel, protocol
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.shared_secret import SECRET_FOLDER, read_secret, write_secret
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.persist.storage import RunStorage
 from lockstep.collective import broadcast_from_rank_zero
 from lockstep.torch import TorchTrainer
 from test_scripts import SCRIPTS, torchrun
@@ -171,7 +171,7 @@ def test_a_rogue_peer_with_a_ranks_credential_runs_nothing_on_the_local_executor
 
 def rank_1_claims_rank_0_train_func(config: dict[str, Any]) -> None:
     """Rank 1 sends a pickled broadcast for rank 0 on its own (real) channel."""
-    from lockstep._internal.session_state import current_session
+    from lockstep._internal.rank.session_state import current_session
 
     if lockstep.get_context().get_world_rank() == 1:
         session = current_session()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lockstep import Checkpoint, CheckpointConfig, Result
-from lockstep._internal.checkpoints import best_checkpoints, checkpoints_to_delete
-from lockstep._internal.run_record import RunRecorder
-from lockstep._internal.storage import CheckpointEntry, RunStorage
+from lockstep._internal.run.checkpoints import best_checkpoints, checkpoints_to_delete
+from lockstep._internal.run.run_record import RunRecorder
+from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
 
 
 def test_from_directory_refuses_missing_path_and_files(tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_metrics_are_checked_and_converted() -> None:
     import numpy
     import torch
 
-    from lockstep._internal.worker_session import encode_metrics
+    from lockstep._internal.rank.worker_session import encode_metrics
 
     assert json.loads(encode_metrics({"loss": torch.tensor(0.5), "acc": numpy.float32(0.25), "nested": {"a": [1]}})) == {
         "loss": 0.5, "acc": 0.25, "nested": {"a": [1]}}

@@ -13,17 +13,17 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from lockstep._internal import protocol
-from lockstep._internal.checkpoint_commits import CheckpointCommits
-from lockstep._internal.controller import Controller
-from lockstep._internal.worker_group import GroupFactory
-from lockstep._internal.worker_group import WorkerExited, WorkerGroup
-from lockstep._internal.failures import AttemptOutcome, FailureKind
-from lockstep._internal.listeners import Listeners
-from lockstep._internal.liveness import Liveness, RestartPolicy
-from lockstep._internal.report_barrier import ReportBarrier
-from lockstep._internal.run_record import RunRecorder
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.wire import protocol
+from lockstep._internal.run.checkpoint_commits import CheckpointCommits
+from lockstep._internal.run.controller import Controller
+from lockstep._internal.run.worker_group import GroupFactory
+from lockstep._internal.run.worker_group import WorkerExited, WorkerGroup
+from lockstep._internal.run.failures import AttemptOutcome, FailureKind
+from lockstep._internal.output.listeners import Listeners
+from lockstep._internal.run.liveness import Liveness, RestartPolicy
+from lockstep._internal.run.report_barrier import ReportBarrier
+from lockstep._internal.run.run_record import RunRecorder
+from lockstep._internal.persist.storage import RunStorage
 from lockstep.callbacks import AttemptStart, Callback, RunInfo
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig

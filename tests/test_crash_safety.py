@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO_ROOT, tagged_processes_after
-from lockstep._internal.storage import CRASH_TEST_GATE
+from lockstep._internal.persist.storage import CRASH_TEST_GATE
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CHECKPOINT_EVERY_STEP = str(SCRIPTS / "checkpoint_every_step.py")

@@ -31,7 +31,7 @@ Graph = dict[str, set[str]]
 
 
 def module_name(path: Path) -> str:
-    """``src/lockstep/_internal/storage.py`` -> ``lockstep._internal.storage``."""
+    """``src/lockstep/_internal/persist/storage.py`` -> ``lockstep._internal.persist.storage``."""
     parts = list(path.relative_to(SOURCE_ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -202,8 +202,8 @@ def test_every_group_of_modules_importing_each_other_is_reported() -> None:
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
-LIGHT_ENTRY_POINTS = ("lockstep", "lockstep._internal.worker", "lockstep.context")
-DRIVER_STACK = ("lockstep._internal.driver", "lockstep._internal.controller", "lockstep.trainer",
+LIGHT_ENTRY_POINTS = ("lockstep", "lockstep._internal.rank.worker", "lockstep.context")
+DRIVER_STACK = ("lockstep._internal.run.driver", "lockstep._internal.run.controller", "lockstep.trainer",
                 "lockstep._internal.executors")
 
 

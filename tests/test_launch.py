@@ -13,13 +13,13 @@ import pytest
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal import channel, protocol
+from lockstep._internal.wire import channel, protocol
 from lockstep._internal.executors import choose_executor
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.external import ExternalExecutor
 from lockstep._internal.executors.local import LocalExecutor
-from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS, RankEnv
-from lockstep._internal.storage import CheckpointEntry
+from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
+from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep.errors import WorkerFailure
 from lockstep.torch import TorchTrainer
 from test_scripts import SCRIPTS, torchrun

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep._internal.executors import choose_executor
-from lockstep._internal.executors.inline import InlineExecutor
+from lockstep._internal.executors.local_mode import LocalModeExecutor
 from lockstep.torch import TorchTrainer, prepare_data_loader, prepare_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,7 +36,7 @@ def _trainer(train_fn, storage_path: str, name: str, **kwargs) -> TorchTrainer:
 
 def test_num_workers_0_chooses_the_local_mode_executor() -> None:
     executor = choose_executor(LOCAL_MODE, {})
-    assert isinstance(executor, InlineExecutor) and executor.name == "local_mode"
+    assert isinstance(executor, LocalModeExecutor) and executor.name == "local_mode"
 
 
 def test_local_mode_with_ray_asked_for_is_refused_before_anything_runs(storage_path: str) -> None:

@@ -6,7 +6,7 @@ host B is back, running the same command again continues from the latest checkpo
 
 The bound: a channel whose other end doesn't answer is given up after 20 s (TCP keepalive and
 user timeout), and a rank stuck in a collective after that ends its process 10 s later (see
-``lockstep._internal.link_watch``): the README's ~30 s. The tests allow that figure plus a 15 s
+``lockstep._internal.wire.link_watch``): the README's ~30 s. The tests allow that figure plus a 15 s
 margin (process start-up and teardown under load on 2 CPUs), :data:`FAULT_BOUND_S`, for the run
 to end, and check what the error says: the rank, that it is lost, and its host's address.
 """
@@ -25,7 +25,7 @@ import pytest
 from conftest import REPO_ROOT
 from hosts import Host, HostNetwork, RayCluster, free_port, kill_tree
 
-from lockstep._internal.link_watch import LINK_TIMEOUT_S, STUCK_GRACE_S
+from lockstep._internal.wire.link_watch import LINK_TIMEOUT_S, STUCK_GRACE_S
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "two_host_fault_job.py")
 README_BOUND_S = LINK_TIMEOUT_S + STUCK_GRACE_S

@@ -1,5 +1,5 @@
 """Preemption notices (SIGTERM) and no stale ``running`` record: real driver scripts and
-torchrun groups, signals sent by the test (see lockstep._internal.preemption)."""
+torchrun groups, signals sent by the test (see lockstep._internal.run.preemption)."""
 
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def test_an_exception_in_a_callback_ends_the_run_with_a_final_status(tmp_path: P
 
 
 def test_a_drain_deadline_sooner_than_the_grace_shortens_it_and_the_error_names_the_cause() -> None:
-    from lockstep._internal.preemption import Preemption
+    from lockstep._internal.run.preemption import Preemption
 
     soon = Preemption(grace_s=25.0)
     soon.notice("10.0.0.2", [1], cause="a Ray node drain", deadline_ms=int((time.time() + 5) * 1000))

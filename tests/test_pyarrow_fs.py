@@ -15,7 +15,7 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, Result, RunConfig, ScalingConfig
-from lockstep._internal.filesystems import resolve_filesystem
+from lockstep._internal.persist.filesystems import resolve_filesystem
 from lockstep.torch import TorchTrainer
 
 pafs = pytest.importorskip("pyarrow.fs")

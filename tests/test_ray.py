@@ -19,11 +19,11 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-from lockstep._internal.worker_group import GroupSpec
+from lockstep._internal.run.worker_group import GroupSpec
 from lockstep._internal.executors.ray import assign_ranks, rank_env
 from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
 from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle
-from lockstep._internal.ray_actor import WorkerPlace
+from lockstep._internal.ray_compat.ray_actor import WorkerPlace
 from lockstep.torch import TorchTrainer
 from test_channel_trust import assert_rogue_refused, rogue_config, rogue_peer_train_func
 from test_launch import rogue_train_func

@@ -17,7 +17,7 @@ from conftest import untagged
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal.worker_session import WorkerSession
+from lockstep._internal.rank.worker_session import WorkerSession
 from lockstep.data import DatasetShard
 from lockstep.torch import TorchTrainer
 

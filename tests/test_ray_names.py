@@ -1,6 +1,6 @@
 """Ray Train's names under lockstep: every public name of ``ray.train``, ``ray.train.torch`` and
 ``ray.air.session`` (Ray 2.60) is provided, a deprecated stand-in that says what to use, or
-listed as not provided (``lockstep._internal.ray_names``, which the docs read); the V1-era
+listed as not provided (``lockstep._internal.ray_compat.ray_names``, which the docs read); the V1-era
 config fields work or say what replaced them; ``fit()`` fails with Ray's error types."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lockstep import (
     WorkerError,
     WorkerGroupError,
 )
-from lockstep._internal.ray_names import RAY_NAMES, NameStatus
+from lockstep._internal.ray_compat.ray_names import RAY_NAMES, NameStatus
 from lockstep.errors import WorkerFailure
 
 
@@ -71,7 +71,7 @@ def entries(*statuses: str) -> list[tuple[str, str, NameStatus]]:
 @pytest.mark.parametrize("module_name", sorted(RAY_NAMES))
 def test_every_public_ray_name_is_in_the_map(module_name: str) -> None:
     assert set(RAY_NAMES[module_name]) == ray_public_names(module_name), \
-        "update lockstep._internal.ray_names: Ray's public names changed"
+        "update lockstep._internal.ray_compat.ray_names: Ray's public names changed"
 
 
 @pytest.mark.parametrize("module_name, name, status", entries("provided", "deprecated"))
@@ -238,10 +238,10 @@ class _Unpicklable(Exception):
 
 
 def test_a_driver_that_cannot_go_on_is_a_controller_error(tmp_path: Path) -> None:
-    from lockstep._internal.controller import Controller
-    from lockstep._internal.worker_group import GroupFactory
-    from lockstep._internal.run_record import RunRecorder
-    from lockstep._internal.storage import RunStorage
+    from lockstep._internal.run.controller import Controller
+    from lockstep._internal.run.worker_group import GroupFactory
+    from lockstep._internal.run.run_record import RunRecorder
+    from lockstep._internal.persist.storage import RunStorage
 
     def no_group(size: int) -> Any:
         raise _Unpicklable("the cluster went away")

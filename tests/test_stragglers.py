@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal import progress
-from lockstep._internal.stragglers import SlowRank, rank_table, recent_times, slowest_rank
+from lockstep._internal.output import progress
+from lockstep._internal.run.stragglers import SlowRank, rank_table, recent_times, slowest_rank
 from lockstep.cli import open_run, run_summary
 from lockstep.torch import TorchTrainer, prepare_data_loader, prepare_model
 

@@ -161,7 +161,7 @@ class Terminal(io.StringIO):
 def test_fits_at_once_share_one_progress_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The terminal's line shows the oldest running fit; another one writes its last state when
     it ends, and the line goes on; the next oldest takes it over."""
-    from lockstep._internal import progress
+    from lockstep._internal.output import progress
 
     monkeypatch.setenv("TERM", "xterm")
     screen = Terminal()

@@ -18,7 +18,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import lockstep  # noqa: E402
 from lockstep import RunConfig, ScalingConfig  # noqa: E402
-from lockstep._internal.rank_env import RankEnv  # noqa: E402
+from lockstep._internal.rank.rank_env import RankEnv  # noqa: E402
 from lockstep.huggingface.transformers import (  # noqa: E402
     RayTrainReportCallback,
     batch_loader,

@@ -211,8 +211,8 @@ def test_torchrun_ranks_that_cannot_connect_all_fail_within_the_start_timeout(tw
 @pytest.mark.timeout(60)
 def test_each_host_names_its_own_interface_and_the_users_choice_wins(two_hosts: HostNetwork) -> None:
     host_a, host_b = two_hosts.hosts
-    probe = ("import json, sys\nfrom lockstep._internal.executors.external import Launch\n"
-             "from lockstep._internal.rank_env import RankEnv\n"
+    probe = ("import json, sys\nfrom lockstep._internal.executors.torchrun_store import Launch\n"
+             "from lockstep._internal.rank.rank_env import RankEnv\n"
              "launch = Launch.from_environ()\n"
              "print(json.dumps([launch.rank_env.node_addr, launch.rank_env.socket_variables({}),"
              " launch.rank_env.socket_variables({'GLOO_SOCKET_IFNAME': 'mine'})]))")
@@ -224,6 +224,6 @@ def test_each_host_names_its_own_interface_and_the_users_choice_wins(two_hosts: 
     assert node_addr == host_b.address, "under torchrun: the local address that reaches MASTER_ADDR"
     assert chosen == {"GLOO_SOCKET_IFNAME": host_b.interface, "NCCL_SOCKET_IFNAME": f"={host_b.interface}"}
     assert with_users == {"NCCL_SOCKET_IFNAME": f"={host_b.interface}"}, "a variable the user set is kept"
-    local = host_b.run([sys.executable, "-c", "from lockstep._internal.rank_env import RankEnv\n"
+    local = host_b.run([sys.executable, "-c", "from lockstep._internal.rank.rank_env import RankEnv\n"
                         "print(RankEnv(0, 2, 0, 2, 0, '127.0.0.1', 1).socket_variables({}))"])
     assert "'GLOO_SOCKET_IFNAME': 'lo'" in local.stdout, local.stderr

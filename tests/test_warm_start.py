@@ -1,4 +1,4 @@
-"""The warm process (lockstep._internal.warm_start): workers forked from a process that imported
+"""The warm process (lockstep._internal.warm.warm_start): workers forked from a process that imported
 torch before fit(), reused by later fits, off with LOCKSTEP_WARM_START=0, and the bad cases."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import lockstep
 from conftest import REPO_ROOT, tagged_processes, tagged_processes_after, wait_for_first_report
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal import warm_start
+from lockstep._internal.warm import warm_start
 from lockstep.torch import TorchTrainer
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -28,7 +28,7 @@ def record_rank(folder: str, name: str) -> None:
     import os
     import sys
 
-    from lockstep._internal import warm_start as in_worker
+    from lockstep._internal.warm import warm_start as in_worker
 
     rank = lockstep.get_context().get_world_rank()
     facts = {"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "cwd": os.getcwd(),
@@ -71,7 +71,7 @@ FIT_PPIDS = """
     import lockstep
     from lockstep import RunConfig, ScalingConfig
     from lockstep.torch import TorchTrainer
-    from lockstep._internal import warm_start
+    from lockstep._internal.warm import warm_start
 
     def train():
         lockstep.report({"ppid": os.getppid()})
@@ -207,7 +207,7 @@ def _parent(pid: int) -> int:
 CHECK_NOTHING_WARM = """
 import json, sys
 {setup}
-from lockstep._internal import warm_start
+from lockstep._internal.warm import warm_start
 print("RESULT", json.dumps({{"warm": warm_start.warm_process_pid(), "torch": "lockstep.torch" in sys.modules}}))
 """
 

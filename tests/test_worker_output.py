@@ -12,7 +12,7 @@ import pytest
 import lockstep
 from lockstep import RunConfig, ScalingConfig
 from lockstep.torch import TorchTrainer
-from lockstep._internal.worker_output import MergingConsole, OutputRelay, rank_tag
+from lockstep._internal.output.worker_output import MergingConsole, OutputRelay, rank_tag
 
 WAIT_S = 0.5
 

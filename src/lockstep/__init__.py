@@ -9,7 +9,7 @@ A Ray Train script moves over by changing imports::
 Importing ``lockstep`` is light: ``lockstep.torch``, ``lockstep.lightning``,
 ``lockstep.huggingface`` and ``lockstep.collective`` are imported on first use (the first three
 import torch or the framework they integrate). Which of Ray Train's names lockstep provides is
-listed in ``lockstep._internal.ray_names``.
+listed in ``lockstep._internal.ray_compat.ray_names``.
 """
 
 from lockstep import config, session

@@ -24,7 +24,7 @@ import logging
 import numbers
 from typing import Any, Literal
 
-from lockstep._internal.callback_base import (
+from lockstep._internal.output.callback_base import (
     STOP_STATUSES,
     AttemptReason,
     AttemptStart,
@@ -34,7 +34,7 @@ from lockstep._internal.callback_base import (
     StopStatus,
     numeric_metrics,
 )
-from lockstep._internal.loggers import CSVLogger, JSONLogger, MLflowLogger, TensorBoardLogger
+from lockstep._internal.output.loggers import CSVLogger, JSONLogger, MLflowLogger, TensorBoardLogger
 
 __all__ = [
     "STOP_STATUSES",

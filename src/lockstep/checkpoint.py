@@ -11,7 +11,7 @@ from typing import Any
 
 import fsspec
 
-from lockstep._internal import filesystems
+from lockstep._internal.persist import filesystems
 
 METADATA_FILE = ".metadata.json"
 

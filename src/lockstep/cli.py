@@ -15,10 +15,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lockstep._internal.filesystems import join, resolve_filesystem
-from lockstep._internal.metrics_text import metrics_text
-from lockstep._internal.storage import RECORD_FILE, RunStorage
-from lockstep._internal.stragglers import rank_table
+from lockstep._internal.output.metrics_text import metrics_text
+from lockstep._internal.persist.filesystems import join, resolve_filesystem
+from lockstep._internal.persist.storage import RECORD_FILE, RunStorage
+from lockstep._internal.run.stragglers import rank_table
 from lockstep.callbacks import numeric_metrics
 from lockstep.config import DEFAULT_STORAGE_PATH
 from lockstep.result import history_row, result_from_record

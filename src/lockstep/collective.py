@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import cloudpickle
 
-from lockstep._internal.session_state import active_session
+from lockstep._internal.rank.session_state import active_session
 
 __all__ = ["barrier", "broadcast_from_rank_zero"]
 

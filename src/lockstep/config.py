@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lockstep._internal import config_checks
-from lockstep._internal.ray_only_configs import LoggingConfig, SyncConfig
-from lockstep._internal.worker_output import CONSOLE_MODES, ConsoleMode
+from lockstep._internal.output.worker_output import CONSOLE_MODES, ConsoleMode
+from lockstep._internal.ray_compat.ray_only_configs import LoggingConfig, SyncConfig
 
 PLACEMENT_STRATEGIES = config_checks.PLACEMENT_STRATEGIES
 EXECUTORS = config_checks.EXECUTORS

@@ -1,7 +1,7 @@
 """What a train function calls: ``report()``, ``get_context()`` (a :class:`TrainContext`),
 ``get_checkpoint()``, ``get_dataset_shard()``, ``get_all_reported_checkpoints()``,
 ``get_preemption_info()``. Each asks
-this process's worker session (:mod:`lockstep._internal.worker_session`).
+this process's worker session (:mod:`lockstep._internal.rank.worker_session`).
 
 These functions work only inside a train function that lockstep runs; elsewhere they raise
 ``RuntimeError`` saying so.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lockstep._internal.session_state import active_session
-from lockstep._internal.train_context import CheckpointUploadMode, TrainContext
+from lockstep._internal.rank.session_state import active_session
+from lockstep._internal.rank.train_context import CheckpointUploadMode, TrainContext
 from lockstep.checkpoint import Checkpoint
 from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointStatus: importable from here too
     CheckpointConsistencyMode,
@@ -22,7 +22,7 @@ from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointSta
 )
 
 if TYPE_CHECKING:
-    from lockstep._internal.checkpoint_upload import UploadFn
+    from lockstep._internal.rank.checkpoint_upload import UploadFn
     from lockstep.preemption import PreemptionInfo
 
 

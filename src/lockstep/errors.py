@@ -38,7 +38,7 @@ class WorkerFailure:
     Attributes:
         rank: The world rank that failed.
         error_type: The exception's class name, e.g. ``"ValueError"``, or one of the kinds
-            lockstep itself detects (``lockstep._internal.failures.FailureKind``):
+            lockstep itself detects (``lockstep._internal.run.failures.FailureKind``):
             ``"WorkerDied"`` (the process ended without a Python error: killed, ``os._exit``,
             a lost node), ``"ReportMismatch"`` (the rank returned from the train function while
             others waited in ``report()``), ``"ReportTimeout"`` (the rank did not reach a

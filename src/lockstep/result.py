@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from lockstep._internal.storage import CheckpointEntry, RunStorage
+from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
 from lockstep.checkpoint import Checkpoint
 from lockstep.errors import TrainingFailedError, WorkerFailure
 

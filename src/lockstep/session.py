@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lockstep._internal.deprecated import removed_function
+from lockstep._internal.ray_compat.deprecated import removed_function
 from lockstep.context import get_checkpoint, get_context, get_dataset_shard, report
 
 __all__ = [

@@ -8,11 +8,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lockstep._internal.driver import RunDriver
 from lockstep._internal.executors import choose_executor, is_ray_dataset
 from lockstep._internal.payload import TrainJob
-from lockstep._internal.run_names import default_run_name
-from lockstep._internal.storage import RunStorage, storage_errors
+from lockstep._internal.persist.storage import RunStorage, storage_errors
+from lockstep._internal.run.driver import RunDriver
+from lockstep._internal.run.run_names import default_run_name
 from lockstep.backend import BackendConfig
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DEFAULT_STORAGE_PATH, DataConfig, RunConfig, ScalingConfig

@@ -20,8 +20,8 @@ import secrets
 import sys
 from typing import Any
 
-from lockstep._internal import channel, protocol
-from lockstep._internal.rank_env import ENV_DRIVER_ADDRESS
+from lockstep._internal.wire import channel, protocol
+from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
 
 
 class CreatesMarker:

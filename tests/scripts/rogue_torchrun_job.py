@@ -30,7 +30,7 @@ def rank_1_channel_env() -> dict[str, str]:
     """What rank 1 itself uses to open its channel: the address and its own credential."""
     from torch.distributed import TCPStore
 
-    from lockstep._internal.executors.external import Launch, await_channel
+    from lockstep._internal.executors.torchrun_store import Launch, await_channel
 
     launch = Launch.from_environ()
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,

@@ -28,7 +28,7 @@ from typing import Any
 
 import cloudpickle
 
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.persist.storage import RunStorage
 from lockstep.backend import BackendConfig
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DataConfig

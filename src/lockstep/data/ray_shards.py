@@ -33,7 +33,7 @@ class RayDataShard:
     def iter_torch_batches(self, **kwargs: Any) -> Any:
         """Ray's ``DataIterator.iter_torch_batches`` with these arguments (all keyword-only, as
         in Ray), the default ``device="auto"`` being this worker's device."""
-        from lockstep._internal.torch_devices import get_device
+        from lockstep._internal.rank.torch_devices import get_device
 
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = get_device()

@@ -122,7 +122,7 @@ class DatasetShard(Dataset):
         Raises:
             ValueError: both ``dtypes`` and ``collate_fn``; see also :meth:`iter_batches`.
         """
-        from lockstep._internal.torch_devices import get_device, move_to_device
+        from lockstep._internal.rank.torch_devices import get_device, move_to_device
 
         if collate_fn is not None and dtypes is not None:
             raise ValueError(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep._internal.torch_devices import get_device
+from lockstep._internal.rank.torch_devices import get_device
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, get_context, report
 from lockstep.lightning._package import environments_module, trainer_module

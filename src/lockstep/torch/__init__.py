@@ -4,13 +4,13 @@
 
 # A driver that imports this module will likely call fit(): warm a process for its workers now,
 # before torch is imported here, so that it imports torch while the driver does
-# (lockstep._internal.warm_start; LOCKSTEP_WARM_START=0 turns it off; nothing starts in workers,
+# (lockstep._internal.warm.warm_start; LOCKSTEP_WARM_START=0 turns it off; nothing starts in workers,
 # under torchrun or in Ray workers).
-from lockstep._internal import warm_start as _warm_start
+from lockstep._internal.warm import warm_start as _warm_start
 
 _warm_start.start_in_background()
 
-from lockstep._internal.deprecated import removed_class  # noqa: E402
+from lockstep._internal.ray_compat.deprecated import removed_class  # noqa: E402
 from lockstep.torch.config import TorchConfig  # noqa: E402
 from lockstep.torch.train_loop_utils import (  # noqa: E402
     accelerate,

@@ -97,7 +97,7 @@ class TorchConfig(BackendConfig):
         if backend == "nccl" or "nccl" in parse_backend(backend).values():
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if use_gpu and torch.cuda.is_available():
-            from lockstep._internal.torch_devices import get_device
+            from lockstep._internal.rank.torch_devices import get_device
 
             torch.cuda.set_device(get_device())
         join_process_group(

@@ -13,7 +13,7 @@ their samples are never loaded, and the data loader's worker processes (``num_wo
 see only the rest.
 
 The time each ``next()`` on the loader's iterator takes is the rank's data wait
-(:mod:`lockstep._internal.step_timing`).
+(:mod:`lockstep._internal.rank.step_timing`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from lockstep._internal.step_timing import timed_batches
+from lockstep._internal.rank.step_timing import timed_batches
 
 logger = logging.getLogger(__name__)
 

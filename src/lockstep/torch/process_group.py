@@ -16,7 +16,7 @@ import socket
 
 import torch.distributed as dist
 
-from lockstep._internal.rank_env import ENV_STORE_PREFIX
+from lockstep._internal.rank.rank_env import ENV_STORE_PREFIX
 
 logger = logging.getLogger(__name__)
 

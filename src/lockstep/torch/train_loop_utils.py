@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from lockstep._internal.deprecated import removed_function
-from lockstep._internal.session_state import current_session
-from lockstep._internal.step_timing import timed_batches, with_all_reduce_timing
-from lockstep._internal.torch_devices import _map_tensors, get_device, get_devices, move_to_device
+from lockstep._internal.rank.session_state import current_session
+from lockstep._internal.rank.step_timing import timed_batches, with_all_reduce_timing
+from lockstep._internal.rank.torch_devices import _map_tensors, get_device, get_devices, move_to_device
+from lockstep._internal.ray_compat.deprecated import removed_function
 from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ __all__ = [
 PARALLEL_STRATEGIES = ("ddp", "fsdp", None)
 
 
-# -- devices: lockstep._internal.torch_devices ---------------------------------------------------
+# -- devices: lockstep._internal.rank.torch_devices ---------------------------------------------------
 
 
 def _world() -> tuple[int, int]:

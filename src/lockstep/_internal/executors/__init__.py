@@ -7,7 +7,7 @@ the one place that picks one for a ``fit()``:
   called ``ray.init()``, or when Ray Datasets are passed.
 - **local**: fresh processes on this machine otherwise.
 - **local_mode** (``num_workers=0``): the train function runs in this process, the run driven
-  from a thread (see :mod:`lockstep._internal.executors.inline`).
+  from a thread (see :mod:`lockstep._internal.executors.local_mode`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lockstep._internal import warm_start
 from lockstep._internal.executors.base import Executor
-from lockstep._internal.rank_env import launched_by_launcher
-from lockstep._internal.worker_group import GroupSpec
+from lockstep._internal.rank.rank_env import launched_by_launcher
+from lockstep._internal.run.worker_group import GroupSpec
+from lockstep._internal.warm import warm_start
 from lockstep.config import ScalingConfig
 
 logger = logging.getLogger(__name__)
@@ -67,14 +67,15 @@ def _local_mode_executor(scaling: ScalingConfig, ray_datasets: Mapping[str, Any]
     Under torchrun, each of its processes is then a rank, whatever the world size (Ray Train
     does the same)."""
     if launched_by_launcher():
-        from lockstep._internal.executors.external import ExternalExecutor, Launch
+        from lockstep._internal.executors.external import ExternalExecutor
+        from lockstep._internal.executors.torchrun_store import Launch
 
         if ray_datasets:
             raise ValueError("Ray Datasets need the Ray executor; under torchrun pass torch datasets.")
         return ExternalExecutor(Launch.from_environ(), scaling.use_gpu)
-    from lockstep._internal.executors.inline import InlineExecutor
+    from lockstep._internal.executors.local_mode import LocalModeExecutor
 
-    return InlineExecutor(scaling, ray_datasets)
+    return LocalModeExecutor(scaling, ray_datasets)
 
 
 def _wants_ray(scaling: ScalingConfig, ray_datasets: Mapping[str, Any]) -> bool:

@@ -1,6 +1,6 @@
 """What every executor implements: an :class:`Executor`, how a run's ranks start and how the
 run is driven from this process (its worker groups implement
-:class:`lockstep._internal.worker_group.WorkerGroup`). What differs per executor and matters to
+:class:`lockstep._internal.run.worker_group.WorkerGroup`). What differs per executor and matters to
 the run as a whole (the run's name, the scaling it runs with, what it holds while the run goes
 on) is asked of the executor by ``fit()``; the driver and the controller never name one."""
 
@@ -10,11 +10,11 @@ import abc
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
-from lockstep._internal.run_names import default_run_name
+from lockstep._internal.run.run_names import default_run_name
 
 if TYPE_CHECKING:
-    from lockstep._internal.driver import RunDriver
     from lockstep._internal.payload import TrainJob
+    from lockstep._internal.run.driver import RunDriver
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
 

@@ -2,7 +2,7 @@
 accepts ranks as they connect, one authenticated connection per rank (each rank once per
 group), and the part of a worker group that only talks over them (:class:`ChannelGroup`).
 Every message read from a connection is checked to come from that connection's rank
-(:func:`lockstep._internal.channel.check_sender`)."""
+(:func:`lockstep._internal.wire.channel.check_sender`)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from lockstep._internal import channel, protocol
-from lockstep._internal.failures import FailureKind
-from lockstep._internal.link_watch import LOST_EXIT_CODE, lost_link_cause
-from lockstep._internal.worker_group import WorkerExited, WorkerGroup
-from lockstep._internal.worker_output import ConsoleMode, OutputRelay
+from lockstep._internal.output.worker_output import ConsoleMode, OutputRelay
+from lockstep._internal.run.failures import FailureKind
+from lockstep._internal.run.worker_group import WorkerExited, WorkerGroup
+from lockstep._internal.wire import channel, protocol
+from lockstep._internal.wire.link_watch import LOST_EXIT_CODE, lost_link_cause
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class WorkerConnections:
 
     def take_lost(self) -> dict[int, str]:
         """The ranks whose host stopped answering since the last call, each with what to say
-        of it (see :mod:`lockstep._internal.link_watch`)."""
+        of it (see :mod:`lockstep._internal.wire.link_watch`)."""
         lost, self._lost = self._lost, {}
         return lost
 
@@ -215,6 +215,7 @@ class AttachedGroup(ChannelGroup):
 
     def __init__(self, host: str, world_size: int, exit_cause: str, name_hosts: bool = False) -> None:
         super().__init__(host, world_size)
+        self.world_size = world_size
         self.exit_cause = exit_cause
         self.name_hosts = name_hosts
         self._seen: set[int] = set()

@@ -2,7 +2,7 @@
 drives the run.
 
 Processes are started with ``subprocess``, or forked by a warm process that imported torch
-before ``fit()`` (never a fork of the driver; see :mod:`lockstep._internal.warm_start`), each in its own
+before ``fit()`` (never a fork of the driver; see :mod:`lockstep._internal.warm.warm_start`), each in its own
 process group so that stopping a rank also stops its data-loader processes. The driver waits
 on the workers' sockets and process handles at once, so it wakes only when something happens.
 """
@@ -22,19 +22,19 @@ from contextlib import AbstractContextManager, suppress
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from lockstep._internal import warm_start
-from lockstep._internal.devices import usable_gpu_ids
 from lockstep._internal.executors.base import Executor
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.local_resources import check_local_resources, cpus_in_use, local_capacity
 from lockstep._internal.payload import TrainJob, serialize_payload
-from lockstep._internal.python_path import worker_pythonpath
-from lockstep._internal.rank_env import RankEnv, threads_for
-from lockstep._internal.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
-from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.rank.devices import usable_gpu_ids
+from lockstep._internal.rank.python_path import worker_pythonpath
+from lockstep._internal.rank.rank_env import RankEnv, threads_for
+from lockstep._internal.rank.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
+from lockstep._internal.run.worker_group import GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.warm import warm_start
 
 if TYPE_CHECKING:
-    from lockstep._internal.driver import RunDriver
+    from lockstep._internal.run.driver import RunDriver
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
 
@@ -70,10 +70,10 @@ def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
 
 def start_rank_process(env: dict[str, str], payload_fd: int, piped: bool) -> subprocess.Popen[bytes]:
     """Start a rank as a fresh interpreter in a session of its own (the plain way; see
-    :mod:`lockstep._internal.warm_start` for the warm one), its output piped when ``piped``."""
+    :mod:`lockstep._internal.warm.warm_start` for the warm one), its output piped when ``piped``."""
     stream = subprocess.PIPE if piped else None
     return subprocess.Popen(
-        [sys.executable, "-m", "lockstep._internal.worker"],
+        [sys.executable, "-m", "lockstep._internal.rank.worker"],
         env=env,
         start_new_session=True,
         pass_fds=[payload_fd],

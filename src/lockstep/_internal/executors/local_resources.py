@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lockstep._internal.worker_group import GroupSpec
+from lockstep._internal.run.worker_group import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def local_capacity(spec: GroupSpec) -> int:
     affinity, as ``taskset`` sets it) and, with GPUs, the usable GPUs."""
     fits = int(len(os.sched_getaffinity(0)) // spec.cpus_per_worker) if spec.cpus_per_worker > 0 else 1_000_000
     if spec.use_gpu and spec.gpus_per_worker > 0:
-        from lockstep._internal.devices import usable_gpu_ids
+        from lockstep._internal.rank.devices import usable_gpu_ids
 
         fits = min(fits, int(len(usable_gpu_ids()) // spec.gpus_per_worker))
     return fits
@@ -73,7 +73,7 @@ def _check_fits_one_machine(spec: GroupSpec, cpus: int) -> None:
 
 
 def _check_gpus(spec: GroupSpec) -> None:
-    from lockstep._internal.devices import usable_gpu_ids
+    from lockstep._internal.rank.devices import usable_gpu_ids
 
     available = len(usable_gpu_ids())
     needed = math.ceil(spec.num_workers * spec.gpus_per_worker)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from lockstep._internal import protocol
 from lockstep._internal.executors.base import Executor
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.ray_drain import DrainWatcher
@@ -35,13 +34,14 @@ from lockstep._internal.executors.ray_placement import (
 )
 from lockstep._internal.executors.ray_pool import POOL, KeptGroup, reuse_enabled, shape_of
 from lockstep._internal.payload import TrainJob, serialize_payload
-from lockstep._internal.python_path import user_python_path
-from lockstep._internal.ray_actor import RayWorker
-from lockstep._internal.worker_group import GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.rank.python_path import user_python_path
+from lockstep._internal.ray_compat.ray_actor import RayWorker
+from lockstep._internal.run.worker_group import GroupFactory, GroupSpec, WorkerExited
+from lockstep._internal.wire import protocol
 from lockstep.errors import TrainingFailedError
 
 if TYPE_CHECKING:
-    from lockstep._internal.driver import RunDriver
+    from lockstep._internal.run.driver import RunDriver
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lockstep._internal import protocol
 from lockstep._internal.executors.ray_placement import RankPlace
+from lockstep._internal.wire import protocol
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep._internal.rank_env import RankEnv, threads_for
-from lockstep._internal.ray_actor import WorkerPlace
-from lockstep._internal.worker_group import GroupSpec
+from lockstep._internal.rank.rank_env import RankEnv, threads_for
+from lockstep._internal.ray_compat.ray_actor import WorkerPlace
+from lockstep._internal.run.worker_group import GroupSpec
 from lockstep.errors import TrainingFailedError
 
 ACCELERATOR_SHARE = 0.001

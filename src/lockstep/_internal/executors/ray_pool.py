@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep._internal.worker_group import GroupSpec
+from lockstep._internal.run.worker_group import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def current_ray_job() -> tuple[str, str]:
 
 def reuse_enabled() -> bool:
     """Whether kept actors may be reused (``LOCKSTEP_WARM_START``, on unless 0/false/off/no)."""
-    from lockstep._internal.warm_start import enabled
+    from lockstep._internal.warm.warm_start import enabled
 
     return enabled()
 

@@ -19,8 +19,8 @@ import os
 import re
 import secrets
 
-from lockstep._internal.filesystems import is_local
-from lockstep._internal.storage import RunStorage
+from lockstep._internal.persist.filesystems import is_local
+from lockstep._internal.persist.storage import RunStorage
 
 SECRET_FOLDER = ".lockstep"
 SECRET_FILE_NAME = re.compile(r"^channel-[0-9a-f]{32}\.key$")

@@ -1,0 +1,3 @@
+"""Storage: the run folder (record, report history, checkpoints, logs) and the filesystems under
+it.
+"""

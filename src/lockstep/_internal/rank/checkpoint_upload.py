@@ -1,0 +1,174 @@
+"""How a rank's reported checkpoint reaches storage: copied into its folder in the run, or handed
+to the user's ``checkpoint_upload_fn``; at once (SYNC) or on a background thread (ASYNC); and,
+with ``delete_local_checkpoint_after_upload``, the local folder removed afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lockstep._internal.persist.filesystems import is_local
+from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
+from lockstep._internal.wire import protocol
+from lockstep._internal.wire.channel import WorkerChannel
+from lockstep.checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from lockstep._internal.rank.train_context import TrainContext
+
+logger = logging.getLogger(__name__)
+
+UploadFn = Callable[[Checkpoint, str], Checkpoint]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One report's checkpoint upload: the folder name it gets, the user's upload function (if
+    any) and whether the local folder goes once the upload succeeded."""
+
+    dir_name: str
+    upload_fn: UploadFn | None = None
+    delete_local: bool = False
+
+
+def upload(context: TrainContext, checkpoint: Checkpoint, job: Upload, given_goes: bool = False) -> str | None:
+    """Put this rank's files of ``checkpoint`` in storage; return where the checkpoint is when
+    ``job.upload_fn`` put it somewhere other than its folder in the run (else ``None``).
+    ``given_goes``: ``checkpoint``'s folder is deleted after the upload (ASYNC's staged copy).
+
+    Raises:
+        OSError: copying the files failed.
+        TypeError: ``checkpoint_upload_fn`` returned something that is not a Checkpoint.
+        ValueError: it returned the very checkpoint it was given, which is deleted next.
+    """
+    if job.upload_fn is None:
+        with checkpoint.as_directory() as local_dir:
+            write_checkpoint(context, local_dir, job.dir_name)
+        return None
+    uploaded = job.upload_fn(checkpoint, job.dir_name)
+    if not isinstance(uploaded, Checkpoint):
+        raise TypeError(
+            f"checkpoint_upload_fn must return the uploaded lockstep.Checkpoint, got {type(uploaded).__name__}; "
+            "e.g. return Checkpoint(uri) for the place it copied the files to."
+        )
+    if (job.delete_local or given_goes) and uploaded == checkpoint:
+        raise ValueError(
+            f"checkpoint_upload_fn returned the checkpoint it was given ({checkpoint.uri}), whose folder is "
+            "deleted after the upload (delete_local_checkpoint_after_upload, or the staged copy of an ASYNC "
+            "upload); return a Checkpoint of the uploaded copy."
+        )
+    standard = context.storage.checkpoint_of(CheckpointEntry(job.dir_name, 0))
+    return None if uploaded == standard else uploaded.uri
+
+
+def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> None:
+    """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure."""
+    try:
+        context.storage.write_checkpoint(local_dir, dir_name)
+    except Exception as error:
+        raise OSError(
+            f"rank {context.world_rank}: writing checkpoint {dir_name} to "
+            f"{context.storage.checkpoint_path(dir_name)} failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def check_deletable(checkpoint: Checkpoint, storage: RunStorage) -> None:
+    """Refuse ``delete_local_checkpoint_after_upload`` where deleting the folder would delete
+    the run folder, or a folder inside it.
+
+    Raises:
+        ValueError: the checkpoint folder contains the run folder or lies inside it.
+    """
+    if not (checkpoint.is_local and is_local(storage.filesystem)):
+        return
+    folder, run = os.path.realpath(checkpoint.path), os.path.realpath(storage.run_path)
+    if os.path.commonpath([folder, run]) in (folder, run):
+        raise ValueError(
+            f"report(delete_local_checkpoint_after_upload=True): the checkpoint folder {checkpoint.path} "
+            f"{'contains' if os.path.commonpath([folder, run]) == folder else 'is inside'} the run folder "
+            f"{storage.run_path}, so deleting it would delete run files. Write the checkpoint to a temporary "
+            "folder (tempfile.mkdtemp()), or pass delete_local_checkpoint_after_upload=False."
+        )
+
+
+def delete_local(checkpoint: Checkpoint) -> None:
+    """Remove a local checkpoint folder after its upload; a remote one is left alone (a failure
+    to delete is logged, not raised: the upload itself succeeded)."""
+    if not checkpoint.is_local:
+        logger.debug("not deleting %s after upload: it is not a local folder", checkpoint.uri)
+        return
+    try:
+        shutil.rmtree(checkpoint.path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning("could not delete the local checkpoint %s after its upload: %s", checkpoint.path, error)
+
+
+class CheckpointUploader:
+    """ASYNC uploads of one rank, in report order, on a background thread.
+
+    ``submit`` takes a private copy of the checkpoint first (hard links where the filesystem
+    allows, so it costs next to nothing), so the caller may delete its folder as soon as
+    ``report()`` returns; files must not be rewritten in place before the upload ends. The
+    upload (and a ``checkpoint_upload_fn``) works on that copy.
+    """
+
+    def __init__(self, context: TrainContext, channel: WorkerChannel) -> None:
+        self._context = context
+        self._channel = channel
+        self._jobs: queue.Queue[tuple[int, Upload, str] | None] = queue.Queue()
+        self._staged: list[tuple[int, Upload, str]] = []
+        self._thread = threading.Thread(target=self._upload_loop, name="lockstep-checkpoint-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, checkpoint: Checkpoint, job: Upload) -> None:
+        """Stage ``checkpoint`` for report ``index``; its upload starts at :meth:`start_staged`."""
+        staged = _private_copy(checkpoint.path) if checkpoint.is_local else checkpoint.to_directory()
+        self._staged.append((index, job, staged))
+
+    def start_staged(self) -> None:
+        """Start the uploads staged so far: called once the report that staged them is
+        answered, so that the upload's copying doesn't slow that report's round trip."""
+        for item in self._staged:
+            self._jobs.put(item)
+        self._staged.clear()
+
+    def _upload_loop(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            index, job, staged = item
+            error = external = None
+            try:
+                external = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
+            except Exception as failure:  # noqa: BLE001 - the driver must hear of every failed upload
+                error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, OSError) else str(failure)
+            finally:
+                shutil.rmtree(staged, ignore_errors=True)
+            message = protocol.CheckpointUploaded(self._context.world_rank, index, job.dir_name, error, external)
+            self._channel.send(message)
+
+    def close(self) -> None:
+        """Wait for the staged and queued uploads to end."""
+        self.start_staged()
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _private_copy(folder: str) -> str:
+    """A copy of ``folder`` that survives its deletion: hard links when possible, else a copy."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    try:
+        staged = tempfile.mkdtemp(prefix=".lockstep_upload_", dir=parent)
+        shutil.copytree(folder, staged, copy_function=os.link, dirs_exist_ok=True)
+    except OSError:
+        staged = tempfile.mkdtemp(prefix="lockstep_upload_")
+        shutil.copytree(folder, staged, dirs_exist_ok=True)
+    return staged

@@ -1,0 +1,282 @@
+"""The worker-side session behind ``report()``, ``get_checkpoint()`` and ``get_dataset_shard()``:
+one per rank, talking to the driver over the rank's channel."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from lockstep._internal.persist.storage import RESERVED_NAMES
+from lockstep._internal.rank.checkpoint_upload import (
+    CheckpointUploader,
+    Upload,
+    UploadFn,
+    check_deletable,
+    delete_local,
+    upload,
+)
+from lockstep._internal.rank.step_timing import CLOCK
+from lockstep._internal.rank.train_context import CheckpointUploadMode, TrainContext
+from lockstep._internal.wire import protocol
+from lockstep._internal.wire.channel import WorkerChannel
+from lockstep.checkpoint import Checkpoint
+from lockstep.preemption import PreemptionInfo
+from lockstep.reported_checkpoint import ReportedCheckpoint
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WorkerSession:
+    """One rank's link to the driver while its train function runs."""
+
+    def __init__(
+        self,
+        context: TrainContext,
+        channel: WorkerChannel,
+        first_report_index: int,
+        checkpoint: Checkpoint | None,
+        datasets: Mapping[str, Any],
+        used_dir_names: Iterable[str] = (),
+    ) -> None:
+        self.context = context
+        self._channel = channel
+        self._next_report_index = first_report_index
+        self._checkpoint = checkpoint
+        self._datasets = dict(datasets)
+        self._used_dir_names = set(used_dir_names)
+        self._storage_checked = False
+        self._uploader: CheckpointUploader | None = None
+        self._next_collective_seq = 0
+        self.preemption_info: PreemptionInfo | None = None
+        CLOCK.restart()
+
+    def report(
+        self,
+        metrics: Mapping[str, Any],
+        checkpoint: Checkpoint | None,
+        checkpoint_dir_name: str | None,
+        upload_mode: CheckpointUploadMode,
+        upload_fn: UploadFn | None = None,
+        delete_local_after_upload: bool = False,
+    ) -> None:
+        """Send one report and wait until every rank has sent it and it is recorded."""
+        metrics_json = encode_metrics(metrics)
+        index = self._next_report_index
+        message = protocol.Report(
+            self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None
+        )
+        if checkpoint is not None:
+            job = Upload(self._new_dir_name(checkpoint_dir_name, index), upload_fn, delete_local_after_upload)
+            state, external = self._persist(checkpoint, job, index, upload_mode)
+            message = dataclasses.replace(
+                message, checkpoint_dir_name=job.dir_name, checkpoint_state=state, external_path=external
+            )
+        self._channel.send(dataclasses.replace(message, step_times=CLOCK.close_window()))
+        try:
+            done = self._answer(protocol.ReportDone)
+        finally:
+            if self._uploader is not None:
+                self._uploader.start_staged()
+        CLOCK.report_ns += time.perf_counter_ns() - CLOCK.window_start_ns
+        self._next_report_index = index + 1
+        if done.new_latest_checkpoint is not None:
+            self._checkpoint = self.context.storage.checkpoint_of(done.new_latest_checkpoint)
+        self._take_preemption_notice(done)
+
+    def _take_preemption_notice(self, done: protocol.ReportDone) -> None:
+        """Keep the run's preemption notice; stop here when the driver says the run stops.
+        Without a notice, the driver stopped the run (``RunConfig(stop=...)``, a callback): the
+        rank first waits for its checkpoint uploads, so that the driver can commit them.
+
+        Raises:
+            PreemptionStop: the run stops at this report.
+        """
+        from lockstep._internal.run.preemption import PreemptionStop, info_from
+
+        if done.preempted is not None:
+            self.preemption_info = info_from(done.preempted)
+        if done.stop and done.preempted is None:
+            self.wait_for_uploads()
+            raise PreemptionStop(f"the driver stopped the run after report #{done.index}")
+        if done.stop:
+            raise PreemptionStop(f"the run stops after report #{done.index} (preempted)")
+
+    def _answer(self, kind: type[T]) -> T:
+        """The driver's answer to the call just sent (calls and answers alternate). After a
+        preemption notice, a channel the driver closed means the run stopped (preempted)."""
+        try:
+            answer = self._channel.recv()
+        except (EOFError, OSError) as error:
+            if self.preemption_info is None:
+                raise
+            from lockstep._internal.run.preemption import PreemptionStop
+
+            raise PreemptionStop("the driver stopped the run (preempted)") from error
+        if not isinstance(answer, kind):
+            raise RuntimeError(
+                f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)"
+            )
+        return answer
+
+    def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
+        name = _checked_dir_name(checkpoint_dir_name, index)
+        if name in self._used_dir_names:
+            raise ValueError(
+                f"report(checkpoint_dir_name={name!r}): this run already has a checkpoint of that name; "
+                "give each report's checkpoint its own name (e.g. include the epoch), or leave it out."
+            )
+        self._used_dir_names.add(name)
+        return name
+
+    def _persist(
+        self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
+    ) -> tuple[str, str | None]:
+        """Put this rank's checkpoint files where they belong; return (state, external path).
+
+        The local folder goes after a SYNC upload succeeded, and for ASYNC once it is staged
+        (the upload reads lockstep's staged copy, and removing the folder later, from the
+        background, could remove files a following report has written into the same folder).
+        """
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(
+                f"report(checkpoint=...) takes a lockstep.Checkpoint, got {type(checkpoint).__name__}; "
+                "use Checkpoint.from_directory(folder)."
+            )
+        if upload_mode is CheckpointUploadMode.NO_UPLOAD:
+            if job.upload_fn is not None or job.delete_local:
+                logger.warning(
+                    "report(checkpoint_upload_mode=NO_UPLOAD) uploads nothing: checkpoint_upload_fn and "
+                    "delete_local_checkpoint_after_upload are not used."
+                )
+            return "external", checkpoint.uri
+        if job.delete_local:
+            check_deletable(checkpoint, self.context.storage)
+        self._check_shared_storage()
+        self._channel.send(protocol.WritingCheckpoint(self.context.world_rank, job.dir_name))
+        if upload_mode is CheckpointUploadMode.ASYNC:
+            if self._uploader is None:
+                self._uploader = CheckpointUploader(self.context, self._channel)
+            self._uploader.submit(index, checkpoint, job)
+            state, external = "uploading", None
+        else:
+            external = upload(self.context, checkpoint, job)
+            state = "written" if external is None else "external"
+        if job.delete_local:
+            delete_local(checkpoint)
+        return state, external
+
+    def _check_shared_storage(self) -> None:
+        """The driver's run record must be visible here, or checkpoint files would land
+        somewhere the driver never looks."""
+        if self._storage_checked:
+            return
+        storage = self.context.storage
+        if not storage.has_record():
+            raise RuntimeError(
+                f"rank {self.context.world_rank} can't see the run folder {storage.display_path} that the driver "
+                "created. On a cluster, storage_path must be shared by every node: an NFS path or cloud "
+                "storage such as s3://bucket/prefix."
+            )
+        self._storage_checked = True
+
+    def wait_for_uploads(self) -> None:
+        """Block until every ASYNC checkpoint upload of this rank has ended."""
+        if self._uploader is not None:
+            self._uploader.close()
+
+    def get_checkpoint(self) -> Checkpoint | None:
+        """The latest committed checkpoint (at start: the one to resume from)."""
+        return self._checkpoint
+
+    def get_all_reported_checkpoints(self) -> list[ReportedCheckpoint]:
+        """The run's kept checkpoints, once those of this rank's reports so far are committed."""
+        self._channel.send(protocol.CheckpointsQuery(self.context.world_rank, self._next_report_index))
+        answer = self._answer(protocol.ReportedCheckpoints)
+        storage = self.context.storage
+        return [ReportedCheckpoint(storage.checkpoint_of(entry), dict(entry.metrics)) for entry in answer.checkpoints]
+
+    def collective(self, op: str, data: bytes | None = None) -> bytes | None:
+        """Enter the next collective (``"barrier"`` or ``"broadcast"``) and wait for every rank
+        to enter it; return rank 0's ``data``."""
+        seq = self._next_collective_seq
+        self._next_collective_seq += 1
+        entered = time.perf_counter_ns()
+        self._channel.send(protocol.Collective(self.context.world_rank, seq, op, data))
+        answer = self._answer(protocol.CollectiveDone)
+        CLOCK.collective_ns += time.perf_counter_ns() - entered
+        return answer.data
+
+    def get_dataset_shard(self, dataset_name: str | None = None) -> Any:
+        """This rank's shard of the dataset passed as ``datasets={dataset_name: ...}``; with no
+        name, of the only dataset passed. See :func:`get_dataset_shard`."""
+        return self._datasets[self._dataset_name(dataset_name)]
+
+    def _dataset_name(self, dataset_name: str | None) -> str:
+        known = ", ".join(repr(key) for key in self._datasets) or "none"
+        if dataset_name is None:
+            if len(self._datasets) != 1:
+                raise ValueError(
+                    f"get_dataset_shard() without a name needs exactly one dataset, but the trainer got: {known}; "
+                    "name the one you want, e.g. get_dataset_shard('train')."
+                )
+            return next(iter(self._datasets))
+        if dataset_name not in self._datasets:
+            raise KeyError(f"get_dataset_shard({dataset_name!r}): no such dataset; the trainer got: {known}.")
+        return dataset_name
+
+
+def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
+    if checkpoint_dir_name is None:
+        return f"checkpoint_{index:06d}"
+    name = str(checkpoint_dir_name)
+    if not name or "/" in name or "\\" in name or name.startswith(".") or name in RESERVED_NAMES:
+        raise ValueError(
+            f"checkpoint_dir_name={checkpoint_dir_name!r} must be a plain folder name (no '/', not starting "
+            f"with '.', not one of {', '.join(sorted(RESERVED_NAMES))})."
+        )
+    return name
+
+
+def encode_metrics(metrics: Mapping[str, Any]) -> str:
+    """Check the metrics of a report and return them as JSON.
+
+    Tensors and numpy scalars with one element become plain numbers.
+
+    Raises:
+        TypeError: ``metrics`` is not a dict, a key is not a string, or a value can't be saved.
+    """
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"report() takes a dict of metrics, got {type(metrics).__name__}.")
+    plain: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"report(): metric names must be strings, got the key {key!r} ({type(key).__name__}).")
+        plain[key] = _plain_value(value, key)
+    return json.dumps(plain)
+
+
+def _plain_value(value: Any, key: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain_value(v, key) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(item, key) for item in value]
+    if _is_one_element_array(value):
+        return _plain_value(value.item(), key)
+    raise TypeError(
+        f"report(): metric {key!r} is a {type(value).__name__}, which can't be saved; report numbers, "
+        "strings, or lists/dicts of them (use tensor.item() for a scalar tensor)."
+    )
+
+
+def _is_one_element_array(value: Any) -> bool:
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        return numel() == 1
+    return getattr(value, "size", None) == 1 and hasattr(value, "item")

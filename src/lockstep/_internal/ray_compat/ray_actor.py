@@ -1,0 +1,198 @@
+"""One rank of the Ray executor: a Ray actor whose process runs the train function.
+
+The actor speaks to the driver over the same channel as a local worker process (see
+:mod:`lockstep._internal.wire.protocol`); Ray only places it, starts it, and tells the driver when
+it ends. It runs its methods on two threads, so that the driver can ask where the train
+function is (``stack``) while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep._internal.payload import deserialize_payload
+from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
+from lockstep._internal.rank.worker import run_to_outcome
+from lockstep._internal.wire import protocol
+from lockstep._internal.wire.channel import WorkerChannel, connect_to_driver
+from lockstep._internal.wire.link_watch import DriverWatch
+
+#: Frames of these files are the actor's plumbing, not the user's code.
+PLUMBING = ("/lockstep/_internal/", "/ray/", "/threading.py", "/concurrent/futures/", "/multiprocessing/connection.py")
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where an actor landed: its Ray node, that node's IP, the GPUs Ray gave it, its pid."""
+
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]
+    pid: int
+
+
+class RayWorker:
+    """The actor class (the driver wraps it with ``ray.remote``)."""
+
+    def __init__(self) -> None:
+        self._train_thread: int | None = None
+        self._clean = True
+
+    def place(self) -> WorkerPlace:
+        """Where this actor runs."""
+        import ray
+
+        context = ray.get_runtime_context()
+        gpu_ids = tuple(str(gpu_id) for gpu_id in context.get_accelerator_ids().get("GPU", []))
+        return WorkerPlace(context.get_node_id(), ray.util.get_node_ip_address(), gpu_ids, os.getpid())
+
+    def free_port(self) -> int:
+        """A TCP port that is free on this node now (rank 0's node hosts the rendezvous on it)."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return int(probe.getsockname()[1])
+
+    def run(self, payload: bytes, env: dict[str, str], datasets: dict[str, Any], python_path: list[str]) -> int:
+        """Run this rank to its end; return its exit code (0 when the train function returned).
+        Afterwards the process is as the run found it (environment, import path, no process
+        group, no session), so the driver may keep the actor for its next fit.
+
+        Args:
+            payload: The pickled :class:`~lockstep._internal.payload.TrainJob`.
+            env: This rank's environment (rank variables, rendezvous, driver address, GPUs).
+            datasets: This rank's shards of the Ray datasets.
+            python_path: The driver's own import path entries; those that exist here are added.
+        """
+        saved = RunLeftovers()
+        self._clean = False
+        try:
+            return self._run(payload, env, datasets, python_path)
+        finally:
+            self._clean = saved.restore()
+
+    def _run(self, payload: bytes, env: dict[str, str], datasets: dict[str, Any], python_path: list[str]) -> int:
+        os.environ.update(env)
+        sys.path[:0] = [entry for entry in python_path if os.path.isdir(entry) and entry not in sys.path]
+        self._train_thread = threading.get_ident()
+        rank_env = RankEnv.from_environ(env)
+        channel = connect_to_driver(rank_env.world_rank, env)
+        watch = DriverWatch(channel.fileno(), rank_env.world_rank, env[ENV_DRIVER_ADDRESS])
+        with ForwardedOutput(channel, rank_env.world_rank), watch:
+            outcome, exit_code = run_to_outcome(rank_env, channel, lambda: deserialize_payload(payload), datasets)
+        try:
+            channel.send(outcome)
+        finally:
+            channel.close()
+            self._train_thread = None
+        return exit_code
+
+    def ready(self) -> WorkerPlace:
+        """Where this actor runs, once its last run left it clean (else a RuntimeError): the
+        driver asks before it reuses the actor."""
+        if not self._clean:
+            raise RuntimeError("this actor's last run did not leave it clean; it must not be reused")
+        return self.place()
+
+    def stack(self) -> str:
+        """The train function's current Python stack (most recent call last)."""
+        frame = sys._current_frames().get(self._train_thread) if self._train_thread is not None else None
+        if frame is None:
+            return ""
+        lines = traceback.format_stack(frame)
+        return "".join(line for line in lines if not any(part in line.splitlines()[0] for part in PLUMBING))
+
+
+class RunLeftovers:
+    """What a run changes in the actor's process, saved before it and put back after it: the
+    environment, the import path, the ``report()`` session, the torch process group (the
+    backend's shutdown leaves it; this is the safety net) and the job's objects."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.path = list(sys.path)
+
+    def restore(self) -> bool:
+        """Put the process back; whether that fully succeeded."""
+        clean = True
+        for name in [name for name in os.environ if name not in self.environ]:
+            del os.environ[name]
+        for name, value in self.environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        sys.path[:] = self.path
+        from lockstep._internal.rank.session_state import set_session
+
+        set_session(None)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001 - then the actor is not reused
+                clean = False
+        gc.collect()
+        return clean
+
+
+class ForwardedOutput:
+    """While active, what this process writes to its stdout and stderr (Python's and C's alike)
+    goes to the driver as :class:`~lockstep._internal.wire.protocol.Output` messages instead of to
+    Ray's log files, so the driver treats it as it treats a local worker's output."""
+
+    def __init__(self, channel: WorkerChannel, rank: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self._saved: dict[int, int] = {}
+        self._readers: list[threading.Thread] = []
+
+    def __enter__(self) -> ForwardedOutput:
+        _flush_python_streams()
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(line_buffering=True)
+        for fd in (1, 2):
+            read_end, write_end = os.pipe()
+            self._saved[fd] = os.dup(fd)
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            reader = threading.Thread(
+                target=self._forward, args=(read_end, fd == 2), daemon=True, name=f"lockstep-forward-fd{fd}"
+            )
+            reader.start()
+            self._readers.append(reader)
+        return self
+
+    def _forward(self, read_end: int, is_stderr: bool) -> None:
+        try:
+            while chunk := os.read(read_end, 65536):
+                self.channel.send(protocol.Output(self.rank, is_stderr, chunk))
+        except OSError:
+            pass  # the driver is gone; nothing left to tell it
+        finally:
+            os.close(read_end)
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Put the streams back; wait (briefly: data-loader processes may still hold them) until
+        everything written has been sent."""
+        _flush_python_streams()
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        for reader in self._readers:
+            reader.join(OUTPUT_DRAIN_S)
+
+
+OUTPUT_DRAIN_S = 5.0
+
+
+def _flush_python_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()

@@ -1,0 +1,44 @@
+"""Which committed checkpoints are the best and which to keep (CheckpointConfig's num_to_keep
+and score).
+
+The best checkpoints are the ``num_to_keep`` highest ranked, listed worst first (best last), as
+Ray Train lists ``Result.best_checkpoints``; without a score attribute the rank is the report
+order, so they are the latest ones, oldest first. The latest checkpoint is kept on storage even
+when it is not among the best (a restart resumes from it), but it is not listed among them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lockstep._internal.persist.storage import CheckpointEntry
+from lockstep.config import CheckpointConfig
+
+
+def best_checkpoints(entries: list[CheckpointEntry], config: CheckpointConfig) -> list[CheckpointEntry]:
+    """The ``num_to_keep`` best of ``entries`` (all when None), worst first.
+
+    ``entries`` are in commit order; of two with the same score, the later one ranks higher.
+    """
+    ranked = sorted(entries, key=lambda entry: _score(entry, config))  # stable: ties stay in report order
+    return ranked if config.num_to_keep is None else ranked[-config.num_to_keep :]
+
+
+def checkpoints_to_delete(entries: list[CheckpointEntry], config: CheckpointConfig) -> list[CheckpointEntry]:
+    """The entries that are neither among the best nor the latest (the last entry), oldest first."""
+    if not entries or config.num_to_keep is None:
+        return []
+    kept = [*best_checkpoints(entries, config), entries[-1]]
+    return [entry for entry in entries if entry not in kept]
+
+
+def _score(entry: CheckpointEntry, config: CheckpointConfig) -> float:
+    """Higher is better; a checkpoint without the metric ranks last; without a score attribute
+    every checkpoint scores the same (so report order decides)."""
+    if config.checkpoint_score_attribute is None:
+        return 0.0
+    value: Any = entry.metrics.get(config.checkpoint_score_attribute)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        return -math.inf
+    return float(value) if config.checkpoint_score_order == "max" else -float(value)

@@ -1,0 +1,98 @@
+"""The driver: what the process that drives a run does, whichever executor starts its ranks.
+It checks the storage, opens the run record, builds the run's listeners and the controller,
+and runs the controller to a Result. While it drives the run on the main thread, SIGTERM is a
+preemption notice and SIGHUP ends the run as interrupted (see
+:mod:`lockstep._internal.run.preemption`): either way the run record ends in a final status.
+
+Several fits may run at once from threads of one process (an Optuna study with ``n_jobs=2``):
+each has its own driver, workers, record and listeners. Signal handlers are only installed by a
+fit driven on the main thread. The driver never asks which executor runs: what differs per
+executor (local mode's claim of the process, the local workers' CPUs, the scaling the run
+records) ``fit()`` asks of the executor (:class:`lockstep._internal.executors.base.Executor`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from lockstep._internal.output.listeners import listeners_for
+from lockstep._internal.output.worker_output import ConsoleMode
+from lockstep._internal.persist.storage import RunStorage, check_storage_path, storage_errors
+from lockstep._internal.run.controller import Controller
+from lockstep._internal.run.preemption import Preemption, driver_signals
+from lockstep._internal.run.run_record import RunRecorder
+from lockstep._internal.run.worker_group import GroupFactory
+from lockstep.callbacks import RunInfo
+from lockstep.config import DEFAULT_STORAGE_PATH, RunConfig, ScalingConfig
+from lockstep.result import Result
+
+logger = logging.getLogger(__name__)
+
+
+class RunDriver:
+    """Drives the run kept in ``storage``.
+
+    Args:
+        storage: The run folder.
+        run_config: The run's settings (failures, checkpoints, callbacks, output).
+        scaling: The run's workers (as the executor runs them: see ``Executor.run_scaling``).
+        has_resume_checkpoint: Whether the trainer got a ``resume_from_checkpoint`` (the ranks
+            start from it while the run has no checkpoint of its own).
+    """
+
+    def __init__(
+        self, storage: RunStorage, run_config: RunConfig, scaling: ScalingConfig, has_resume_checkpoint: bool
+    ) -> None:
+        self.storage = storage
+        self.run_config = run_config
+        self.scaling = scaling
+        self.has_resume_checkpoint = has_resume_checkpoint
+        self.log_dir = storage.local_log_dir()
+        self.console: ConsoleMode = run_config.worker_output
+
+    def prepare(self, make_group: GroupFactory, restarts: bool = True) -> Controller:
+        """Check the storage, open the run record, and build the controller that will start
+        groups with ``make_group`` (restarting after failures only when ``restarts``).
+
+        Raises:
+            ValueError: the storage can't hold the run, or the run can't be continued.
+        """
+        storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)
+        with storage_errors(storage_path):
+            check_storage_path(storage_path, self.storage)
+            recorder = RunRecorder(
+                self.storage, self.run_config.checkpoint_config, self.scaling.max_workers, make_group.executor
+            )
+            recorder.check_resumable()
+            recorder.open()
+        logger.info(
+            "Run %s: %s workers (%s executor), results in %s",
+            self.storage.name,
+            self.scaling.num_workers,
+            make_group.executor,
+            self.storage.display_path,
+        )
+        run_info = RunInfo(self.storage.name, self.storage.display_path, self.scaling.max_workers, self.log_dir)
+        failure_config = self.run_config.failure_config
+        return Controller(
+            make_group,
+            recorder,
+            failure_config.max_failures if restarts else 0,
+            self.has_resume_checkpoint,
+            failure_config.report_timeout_s,
+            listeners_for(self.run_config, run_info),
+            Preemption(failure_config.preemption_grace_s),
+        )
+
+    def drive(self, controller: Controller) -> Result:
+        """Run ``controller`` to the end of the run; the logs go to storage either way."""
+        try:
+            with driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))):
+                return controller.run()
+        finally:
+            self.storage.upload_logs(self.log_dir)
+
+    def run(self, make_group: GroupFactory, restarts: bool = True) -> Result:
+        """:meth:`prepare`, then :meth:`drive`."""
+        return self.drive(self.prepare(make_group, restarts))

@@ -1,0 +1,198 @@
+"""The driver's account of a run: reports and checkpoints as they are committed, the run
+record in storage, resuming an earlier run of the same name, and the final Result."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Any
+
+from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
+from lockstep._internal.run.checkpoints import best_checkpoints, checkpoints_to_delete
+from lockstep._internal.run.stragglers import RECENT_REPORTS
+from lockstep.checkpoint import Checkpoint
+from lockstep.config import CheckpointConfig
+from lockstep.result import Result, error_to_record, result_from_record
+
+logger = logging.getLogger(__name__)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="milliseconds"
+    )  # orders runs started within a second
+
+
+class RunRecorder:
+    """Commits reports and checkpoints to the run folder, in an order that never loses one:
+    every rank has written its checkpoint files, then the report is logged, then the record
+    that names the new checkpoint replaces the old one, and only then are checkpoints beyond
+    ``num_to_keep`` deleted.
+
+    Creating a recorder only reads storage; :meth:`open` is the first write.
+    """
+
+    def __init__(
+        self, storage: RunStorage, checkpoint_config: CheckpointConfig, world_size: int, executor: str = "local"
+    ) -> None:
+        self.storage = storage
+        self.checkpoint_config = checkpoint_config
+        self.world_size = world_size
+        self.executor = executor
+        self._earlier = storage.read_record()
+        self.record: dict[str, Any] = dict(self._earlier or {})
+        self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
+        self.checkpoints = [CheckpointEntry(**entry) for entry in self.record.get("checkpoints", [])]
+        self._log = storage.open_report_log([json.dumps(report) for report in self.reports])
+        # per-rank step times stay in reports.jsonl; in memory only the recent ones (they grow with ranks)
+        self.recent_step_times: deque[dict[str, dict[str, float]]] = deque(maxlen=RECENT_REPORTS)
+        for report in self.reports:
+            if report.get("step_times"):
+                self.recent_step_times.append(report.pop("step_times"))
+
+    def check_resumable(self) -> None:
+        """Refuse to continue a run whose record names a checkpoint that is gone.
+
+        Raises:
+            ValueError: the latest checkpoint's folder is missing.
+        """
+        latest = self.latest_checkpoint
+        if latest is not None and not latest.filesystem.exists(latest.path):
+            raise ValueError(
+                f"The run {self.storage.display_path} lists {self.checkpoints[-1].dir_name} as its latest "
+                f"checkpoint, but {latest.path} is missing. Restore that folder, or start a new run (another "
+                "RunConfig.name, or delete the run folder)."
+            )
+
+    def open(self) -> None:
+        """Create the run folder (or continue the earlier run found there) and mark it running."""
+        if self._earlier is not None:
+            resumed_from = self.checkpoints[-1].dir_name if self.checkpoints else "no checkpoint"
+            logger.info(
+                "Continuing run %s (it was %s): %d reports so far, resuming from %s.",
+                self.storage.display_path,
+                self._earlier.get("status"),
+                len(self.reports),
+                resumed_from,
+            )
+        else:
+            self.record = {"format_version": RECORD_FORMAT_VERSION, "name": self.storage.name, "created_at": _now()}
+        self.record.update(
+            status="running",
+            world_size=self.world_size,
+            executor=self.executor,
+            error=None,
+            driver={"host": socket.gethostname(), "pid": os.getpid()},
+        )
+        self._write_record()
+        removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
+        if removed:
+            logger.info("Removed unfinished checkpoint folders of an earlier attempt: %s", ", ".join(removed))
+
+    def set_world_size(self, world_size: int) -> None:
+        """The number of workers of the coming attempt (it can change in an elastic run)."""
+        self.world_size = world_size
+        self.record["world_size"] = world_size
+
+    def discard_uncommitted(self, dir_names: set[str]) -> None:
+        """Delete the folders of checkpoints a failed attempt began but never committed, so a
+        restart doesn't mix its files with theirs."""
+        for name in sorted(dir_names - set(self.committed_dir_names)):
+            self.storage.delete_checkpoint(name)
+
+    @property
+    def next_report_index(self) -> int:
+        """The index the next report() will get."""
+        return self.reports[-1]["report_index"] + 1 if self.reports else 0
+
+    @property
+    def committed_dir_names(self) -> list[str]:
+        """The folder names of the kept checkpoints, oldest first."""
+        return [entry.dir_name for entry in self.checkpoints]
+
+    def latest_entry(self) -> CheckpointEntry | None:
+        """The record entry of the newest committed checkpoint."""
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest committed checkpoint."""
+        return self.storage.checkpoint_of(self.checkpoints[-1]) if self.checkpoints else None
+
+    # -- committing ---------------------------------------------------------------------------
+
+    def log_report(
+        self,
+        index: int,
+        metrics_json: str,
+        checkpoint_dir_name: str | None,
+        step_times: dict[str, dict[str, float]] | None = None,
+    ) -> dict[str, Any]:
+        """Add one report (every rank has made it) to the history, with each rank's
+        ``step_times`` when they sent them (see :mod:`lockstep._internal.run.stragglers`)."""
+        report: dict[str, Any] = {
+            "report_index": index,
+            "timestamp": time.time(),
+            "metrics": json.loads(metrics_json),
+            "checkpoint_dir_name": checkpoint_dir_name,
+        }
+        self._log.append(json.dumps(report if step_times is None else {**report, "step_times": step_times}))
+        if step_times is not None:
+            self.recent_step_times.append(step_times)
+        self.reports.append(report)
+        return report
+
+    def commit_checkpoint(
+        self, dir_name: str, report_index: int, metrics: dict[str, Any], external_path: str | None = None
+    ) -> None:
+        """Make a fully written checkpoint the run's latest."""
+        entry = CheckpointEntry(dir_name, report_index, metrics, external_path)
+        self.checkpoints = [known for known in self.checkpoints if known.dir_name != dir_name] + [entry]
+        doomed = checkpoints_to_delete(self.checkpoints, self.checkpoint_config)
+        self.checkpoints = [known for known in self.checkpoints if known not in doomed]
+        self._write_record()
+        for old in doomed:
+            if old.path is None:
+                self.storage.delete_checkpoint(old.dir_name)
+        logger.debug("committed %s", dir_name)
+
+    def count_failure(self) -> None:
+        """One more failed attempt (kept in the record across resumed runs)."""
+        self.record["num_failures"] = int(self.record.get("num_failures", 0)) + 1
+        self._write_record()
+
+    def finish(self, status: str, error: BaseException | None = None, reason: str | None = None) -> None:
+        """Mark the run finished, stopped, pruned, failed, interrupted or preempted (a
+        preemption is counted in ``num_preemptions``, never as a failure); ``reason`` says why a
+        run stopped (``stop_reason``). When storage itself is what failed, this is logged rather
+        than raised, so the run's own error stays the one the user sees."""
+        self.record.update(status=status, error=error_to_record(error), stop_reason=reason)
+        if status == "preempted":
+            self.record["num_preemptions"] = int(self.record.get("num_preemptions", 0)) + 1
+        try:
+            self._log.close()
+            self._write_record()
+        except Exception as write_error:  # noqa: BLE001
+            if error is None:
+                raise
+            logger.warning("could not mark the run %s in %s: %s", status, self.storage.display_path, write_error)
+
+    def _write_record(self) -> None:
+        self.record.update(
+            updated_at=_now(),
+            num_reports=len(self.reports),
+            checkpoints=[asdict(entry) for entry in self.checkpoints],
+            latest_checkpoint=self.checkpoints[-1].dir_name if self.checkpoints else None,
+            best_checkpoints=[entry.dir_name for entry in best_checkpoints(self.checkpoints, self.checkpoint_config)],
+        )
+        self.storage.write_record(self.record)
+
+    def result(self, return_value: Any = None) -> Result:
+        """The Result of the run as recorded."""
+        return result_from_record(self.storage, self.record, self.reports, return_value)

@@ -1,0 +1,68 @@
+"""Which modules the warm process imports before it forks a ``fit()``'s workers (see
+:mod:`lockstep._internal.warm.warm_start`): the installed packages the job needs, never the user's
+own modules."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import sys
+from types import ModuleType
+
+#: How much of the payload is searched for module names (its pickle comes first).
+SCANNED_PAYLOAD_BYTES = 16 << 20
+#: Installed packages never imported in the warm process: they start threads or services.
+NEVER_PRELOADED = frozenset({"ray", "pytest", "_pytest", "IPython", "ipykernel", "jupyter_client", "zmq", "tornado"})
+
+
+def preload_modules(payload: bytes) -> list[str]:
+    """The installed modules (under this Python's prefixes) the driver has imported that the
+    job needs, in import order: those its pickle names, and those that the user's own modules it
+    names import (a train function calling ``mlp_common.load_data`` needs torchvision, which
+    ``mlp_common`` imports). The user's own modules are left to the workers, so an edited file
+    is read afresh at every ``fit()``."""
+    names = set(re.findall(rb"[A-Za-z_][A-Za-z0-9_.]*", _pickle_of(payload)[:SCANNED_PAYLOAD_BYTES]))
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    modules = list(sys.modules.items())
+    for name, module in modules:
+        if name.encode() in names and not _installed(module, prefixes) and name != "__main__":
+            names |= _imported_by(module)
+    chosen = []
+    for name, module in modules:
+        top = name.partition(".")[0]
+        if top in sys.stdlib_module_names or top in NEVER_PRELOADED or name.encode() not in names or top == "lockstep":
+            continue
+        if any(part.startswith("_") for part in name.split(".")) or name == "__main__":
+            continue
+        if _installed(module, prefixes):
+            chosen.append(name)
+    return chosen
+
+
+def _installed(module: ModuleType, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``module`` comes from this Python's installation (not the user's own files)."""
+    origin = getattr(module, "__file__", None)
+    return isinstance(origin, str) and os.path.abspath(origin).startswith(prefixes)
+
+
+def _imported_by(module: ModuleType) -> set[bytes]:
+    """The names of the modules a (user's) module imported, or whose objects it holds."""
+    found: set[bytes] = set()
+    for value in list(vars(module).values()):
+        name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str):
+            found.add(name.encode())
+    return found
+
+
+def _pickle_of(payload: bytes) -> memoryview:
+    """The pickle inside a payload (the tensors' bytes after it name no modules)."""
+    from lockstep._internal.payload import MAGIC
+
+    view = memoryview(payload)
+    if not payload.startswith(MAGIC):
+        return view
+    length, tensors = struct.unpack_from("<QQ", payload, len(MAGIC))
+    start = len(MAGIC) + 16 + 16 * tensors
+    return view[start : start + length]

@@ -1,0 +1,239 @@
+"""The warm process: ``python -m lockstep._internal.warm.zygote CONTROL_FD DRIVER_PID``.
+
+A fresh interpreter (never a fork of the user's driver) that imports torch and lockstep's worker
+runtime, then waits for the driver (see :mod:`lockstep._internal.warm.warm_start`). At ``fit()`` the
+driver asks it to import the modules the job names and to fork one child per rank; each child
+becomes what ``python -m lockstep._internal.rank.worker`` would be: the driver's environment and
+working directory at ``fit()``, a session of its own, the driver's output pipes and payload file
+(passed over the control socket), and death with this process, which dies with the driver.
+
+Messages are JSON, one per SOCK_SEQPACKET datagram, descriptors attached with SCM_RIGHTS:
+
+- ``{"op": "prepare", "sys_path": [...], "modules": [...]}`` → ``{"ok": true, "skipped": [...]}``
+- ``{"op": "fork", "env": {...}, "cwd": "..."}`` + [stdout, stderr, payload] →
+  ``{"ok": true, "pid": N}`` + [pidfd of the child]
+- unprompted, when a child ends: ``{"exited": pid, "code": returncode}`` (as Popen reports it)
+- any refusal: ``{"ok": false, "error": "..."}``; after one the process exits.
+
+Forking is refused when this process is no longer safe to fork: a thread running (a preloaded
+module started one), or CUDA initialised or its driver library loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 8
+
+
+def die_with(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def warm_up() -> None:
+    """Import what every rank imports (torch, the worker runtime, the torch backend)."""
+    import cloudpickle  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import lockstep._internal.payload  # noqa: F401
+    import lockstep._internal.rank.worker  # noqa: F401
+    import lockstep._internal.rank.worker_session  # noqa: F401
+    import lockstep.context  # noqa: F401
+    import lockstep.data  # noqa: F401
+    import lockstep.torch  # noqa: F401  (LOCKSTEP_WARM_START=0 here: starts nothing)
+
+
+def os_threads() -> int:
+    """This process's threads, as the kernel counts them (Python's and native ones)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def unsafe_to_fork() -> str | None:
+    """Why forking now would give the children a broken state, or None when it is safe."""
+    if threading.active_count() > 1 or os_threads() > 1:
+        return f"{os_threads()} threads are running in it (a fork copies only one)"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised in it"
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        if "libcuda.so" in maps.read():
+            return "the CUDA driver library was loaded in it"
+    return None
+
+
+class Zygote:
+    """Serves the driver's requests on ``control`` until the driver closes it."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.children: dict[int, int] = {}  # pidfd -> pid
+        self.base_path = _base_path()
+
+    def serve(self) -> None:
+        """Answer requests and report children's exits, until end of stream."""
+        while True:
+            for handle in self._ready():
+                if handle is self.control:
+                    if not self._answer():
+                        return
+                else:
+                    self._reap(handle)
+
+    def _ready(self) -> list[Any]:
+        """The control socket and the children's pidfds that are readable (waits for one).
+        ``poll``, not ``select``: a pidfd may be numbered past 1024."""
+        watched: dict[int, Any] = {self.control.fileno(): self.control, **{pidfd: pidfd for pidfd in self.children}}
+        poller = select.poll()
+        for descriptor in watched:
+            poller.register(descriptor, select.POLLIN)
+        return [watched[descriptor] for descriptor, _ in poller.poll()]
+
+    def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+        data = json.dumps(message).encode()
+        if fds:
+            socket.send_fds(self.control, [data], fds)
+        else:
+            self.control.send(data)
+
+    def _answer(self) -> bool:
+        data, fds, _, _ = socket.recv_fds(self.control, MAX_MESSAGE, MAX_FDS)
+        if not data:
+            return False
+        request = json.loads(data)
+        try:
+            if request["op"] == "prepare":
+                self._send({"ok": True, "skipped": self._prepare(request["sys_path"], request["modules"])})
+            elif request["op"] == "fork":
+                self._fork(request, fds)
+            else:
+                raise ValueError(f"unknown request {request['op']!r}")
+        except Exception as error:  # noqa: BLE001 - any failure is told to the driver, then we stop
+            self._send({"ok": False, "error": f"{type(error).__name__}: {error}"})
+            return False
+        finally:
+            for handle in fds:
+                os.close(handle)
+        return True
+
+    def _prepare(self, sys_path: list[str], modules: list[str]) -> list[str]:
+        """Import ``modules`` with the driver's import path; return those that failed."""
+        sys.path[:] = sys_path
+        importlib.invalidate_caches()
+        skipped = []
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: BLE001 - the child imports it itself when it unpickles
+                skipped.append(name)
+            reason = unsafe_to_fork()
+            if reason is not None:
+                raise RuntimeError(f"after importing {name!r}, {reason}")
+        return skipped
+
+    def _fork(self, request: dict[str, Any], fds: list[int]) -> None:
+        if len(fds) != 3:
+            raise ValueError(f"a fork request needs 3 descriptors, got {len(fds)}")
+        reason = unsafe_to_fork()
+        if reason is not None:
+            raise RuntimeError(f"the warm process can't fork safely: {reason}")
+        zygote_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            become_worker(request, fds, zygote_pid, self)
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = pid
+        self._send({"ok": True, "pid": pid}, [pidfd])
+
+    def _reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        self._send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def close_in_child(self) -> None:
+        """Let go of the driver's socket and the siblings' handles (in a forked child)."""
+        self.control.close()
+        for pidfd in self.children:
+            os.close(pidfd)
+        self.children.clear()
+
+
+def _base_path() -> list[str]:
+    """The import path a fresh interpreter has without a script folder or PYTHONPATH (the
+    standard library, site-packages and what their .pth files add)."""
+    from_env = {os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
+    return [entry for entry in sys.path[1:] if os.path.abspath(entry) not in from_env]
+
+
+def child_path(env: dict[str, str], cwd: str, base: list[str]) -> list[str]:
+    """The import path ``python -m`` would give a worker started in ``cwd`` with ``env``."""
+    from_env = [os.path.abspath(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return list(dict.fromkeys([cwd, *from_env, *base]))
+
+
+def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int, zygote: Zygote) -> None:
+    """In the forked child: take on the worker's environment, streams and payload, then run
+    the worker's main. Never returns."""
+    try:
+        die_with(zygote_pid)
+        os.setsid()
+        zygote.close_in_child()
+        stdout, stderr, payload = fds
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        os.close(stdout)
+        os.close(stderr)
+        from lockstep._internal.rank import worker
+
+        env = dict(request["env"], **{worker.ENV_PAYLOAD_FD: str(payload)})
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        sys.path[:] = child_path(env, request["cwd"], zygote.base_path)
+        importlib.invalidate_caches()
+        sys.argv = [worker.__file__]
+        _reseed_numpy()
+        worker.main(forked_by=zygote_pid)
+    except BaseException:  # noqa: BLE001 - report on the rank's stderr, never return to the loop
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _reseed_numpy() -> None:
+    """numpy's global generator was seeded once, in this process's parent: draw a fresh seed,
+    as a new interpreter would (Python's ``random`` reseeds itself after a fork)."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def main() -> None:
+    """Warm up, then serve the driver that started this process."""
+    control_fd, driver_pid = int(sys.argv[1]), int(sys.argv[2])
+    die_with(driver_pid)
+    control = socket.socket(fileno=control_fd)
+    warm_up()
+    Zygote(control).serve()
+    os._exit(0)  # the driver has gone: the children die with this process
+
+
+if __name__ == "__main__":
+    main()
