@@ -29,13 +29,13 @@ lint: install
 	$(PY) -m ruff format --check src
 	$(PY) -m mypy
 
-# make bench: about 25 minutes on 2 CPUs (benchmarks/README.md); every script writes its raw
+# make bench: about 40 minutes on 2 CPUs (5 interleaved rounds per goal) (benchmarks/README.md); every script writes its raw
 # results into benchmarks/results/, and tables.py then writes the README tables from them.
 RESULTS := benchmarks/results
 bench: install
 	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --no-one-worker --results-dir $(RESULTS)
 	$(PY) benchmarks/checkpoint_bench.py --results-dir $(RESULTS)
-	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --repeats 2 --results-dir $(RESULTS)
+	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
 	$(PY) benchmarks/timeline.py --data-dir $(DATA) --results-dir $(RESULTS)

@@ -327,7 +327,7 @@ SECTIONS = ["e2e", "startup", "report", "refit"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per section (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per section (default 5: goals need 5)")
     parser.add_argument("--quick", action="store_true",
                         help="a check that it works, not a measurement: 1 round, e2e on the first 10,000 "
                              "training images, 200 report calls, 3 fits, no 1-worker runs; results marked quick")

@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--reports", type=int, default=5, help="measured reports per fit (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up reports per fit, not counted (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="fits per (target, mode), interleaved (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="fits per (target, mode), interleaved (default 5: goals need 5)")
     parser.add_argument("--num-workers", type=int, default=2, help="workers per fit (default 2)")
     parser.add_argument("--targets", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     parser.add_argument("--work-dir", type=Path, default=None, help="temporary files (default: a new temp folder)")

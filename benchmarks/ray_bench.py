@@ -135,7 +135,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per variant (default 5: goals need 5)")
     parser.add_argument("--quick", action="store_true", help="1 repeat, e2e on the first 10,000 training images")
     parser.add_argument("--only", nargs="+", choices=["e2e", "report"], default=["e2e", "report"])
     parser.add_argument("--e2e-limit", type=int, default=None, help="e2e on the first N training images (default: all)")

@@ -18,7 +18,7 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig
-from lockstep._internal.run import controller
+from lockstep._internal.run import attempt_events, controller
 from lockstep._internal.output import progress
 from lockstep._internal.output.listeners import Listeners, LogLines, listeners_for
 from lockstep.callbacks import AttemptStart, Callback, CSVLogger, JSONLogger, MLflowLogger, RunInfo, TensorBoardLogger
@@ -148,9 +148,8 @@ def test_the_dispatcher_has_one_method_per_callback_hook() -> None:
 
 
 def test_every_hook_the_controller_calls_is_a_callback_hook() -> None:
-    tree = ast.parse(Path(controller.__file__).read_text())
     called = {
-        node.attr for node in ast.walk(tree)
+        node.attr for module in (controller, attempt_events) for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "listeners"
     }
     assert len(called) >= 7 and called <= set(HOOKS), f"not hooks of Callback: {called - set(HOOKS)}"

@@ -52,3 +52,25 @@ def test_two_gpu_workers_each_get_their_own_gpu(tmp_path) -> None:
     result = TorchTrainer(nccl_and_placement, scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
                           run_config=RunConfig(storage_path=str(tmp_path))).fit()
     assert result.metrics["sum"] == 2.0 and result.metrics["device"] == "cuda:0"
+
+
+def fsdp_on_gpus(config: dict) -> dict:
+    """Rank 0 reports the kind of module prepare_model made and a training step's loss."""
+    from lockstep.torch import prepare_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = prepare_model(model, parallel_strategy="fsdp", parallel_strategy_kwargs=config["kwargs"])
+    device = lockstep.torch.get_device()
+    loss = model(torch.randn(4, 8, device=device)).sum()
+    loss.backward()
+    lockstep.report({"kind": type(model).__name__, "loss": loss.item()})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize(("kwargs", "kind"), [({}, "FSDPSequential"), ({"sharding_strategy": None}, "FullyShardedDataParallel")])
+def test_fsdp_on_two_gpus_fsdp2_and_ray_trains_fsdp1_arguments(tmp_path, kwargs: dict, kind: str) -> None:
+    result = TorchTrainer(fsdp_on_gpus, train_loop_config={"kwargs": kwargs},
+                          scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    assert result.metrics["kind"] == kind

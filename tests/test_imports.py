@@ -216,3 +216,34 @@ def test_the_light_entry_points_do_not_load_the_driver_stack(entry_point: str) -
     loaded = json.loads(completed.stdout)
     assert not [name for name in loaded if name.startswith(DRIVER_STACK)], (
         f"importing {entry_point} loads the driver stack: {loaded}")
+
+
+# -- the shape of the public modules -----------------------------------------------------------
+
+
+def public_modules() -> dict[str, Path]:
+    """The modules a user may import: outside ``_internal`` and with no leading underscore."""
+    return {name: path for name, path in package_modules().items()
+            if "._internal" not in name and not any(part.startswith("_") for part in name.split("."))}
+
+
+def test_every_public_module_says_what_it_exports() -> None:
+    missing = [name for name, path in public_modules().items()
+               if not any(isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
+                          for node in ast.parse(path.read_text(encoding="utf-8")).body)]
+    assert not missing, f"public modules without __all__: {missing}"
+
+
+#: Calls that take their arguments by position by nature: logging's and printf-style calls, C functions.
+POSITIONAL_BY_NATURE = {"debug", "info", "warning", "error", "exception", "log_clear_of_line", "prctl"}
+
+
+def test_calls_with_five_or_more_arguments_name_them() -> None:
+    found = []
+    for name, path in package_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and len(node.args) >= 5:
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if called not in POSITIONAL_BY_NATURE:
+                    found.append(f"{name}:{node.lineno} {called}")
+    assert not found, f"calls passing 5 or more arguments by position (pass them by keyword): {found}"

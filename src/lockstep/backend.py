@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lockstep.context import TrainContext
 
+__all__ = ["BackendConfig"]
+
 
 class BackendConfig:
     """Worker-side set-up and tear-down around the train function (no-op by default).

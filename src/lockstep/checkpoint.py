@@ -13,6 +13,9 @@ import fsspec
 
 from lockstep._internal.persist import filesystems
 
+__all__ = ["Checkpoint"]
+
+
 METADATA_FILE = ".metadata.json"
 
 

@@ -17,11 +17,15 @@ from typing import Any
 
 from lockstep._internal.output.metrics_text import metrics_text
 from lockstep._internal.persist.filesystems import join, resolve_filesystem
+from lockstep._internal.persist.results import history_row, result_fields
 from lockstep._internal.persist.storage import RECORD_FILE, RunStorage
 from lockstep._internal.run.stragglers import rank_table
 from lockstep.callbacks import numeric_metrics
 from lockstep.config import DEFAULT_STORAGE_PATH
-from lockstep.result import history_row, result_from_record
+from lockstep.result import Result
+
+__all__ = ["main"]
+
 
 SHOWN_ROWS = 20
 
@@ -112,7 +116,7 @@ def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
     went (and the slowest rank, if one holds the others back), and the failure if any."""
     run, record = stored
     reports = run.read_reports()
-    result = result_from_record(run, record, reports)
+    result = Result(**result_fields(run, record, reports))
     lines = [
         f"run:          {record.get('name', run.name)}",
         f"path:         {run.display_path}",

@@ -287,7 +287,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         config_checks.check_v1_run_fields(
-            self.stop, self.log_to_file, self.sync_config, self.progress_reporter, self.worker_runtime_env
+            stop=self.stop,
+            log_to_file=self.log_to_file,
+            sync_config=self.sync_config,
+            progress_reporter=self.progress_reporter,
+            worker_runtime_env=self.worker_runtime_env,
         )
         self.storage_path = config_checks.storage_path_from_local_dir(self.storage_path, self.local_dir)
         if self.logging_config is not None:

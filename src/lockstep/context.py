@@ -25,6 +25,20 @@ if TYPE_CHECKING:
     from lockstep._internal.rank.checkpoint_upload import UploadFn
     from lockstep.preemption import PreemptionInfo
 
+__all__ = [
+    "CheckpointConsistencyMode",
+    "CheckpointUploadMode",
+    "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
+    "TrainContext",
+    "get_all_reported_checkpoints",
+    "get_checkpoint",
+    "get_context",
+    "get_dataset_shard",
+    "get_preemption_info",
+    "report",
+]
+
 
 def report(
     metrics: Mapping[str, Any],
@@ -68,7 +82,14 @@ def report(
         if delete_local_checkpoint_after_upload is None
         else bool(delete_local_checkpoint_after_upload)
     )
-    active_session("report").report(metrics, checkpoint, checkpoint_dir_name, mode, checkpoint_upload_fn, delete_local)
+    active_session("report").report(
+        metrics,
+        checkpoint,
+        checkpoint_dir_name=checkpoint_dir_name,
+        upload_mode=mode,
+        upload_fn=checkpoint_upload_fn,
+        delete_local_after_upload=delete_local,
+    )
 
 
 def get_all_reported_checkpoints(

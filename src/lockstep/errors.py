@@ -30,6 +30,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lockstep.preemption import PreemptionInfo
 
+__all__ = [
+    "ControllerError",
+    "HangUp",
+    "NCCLHangError",
+    "PreemptionError",
+    "SessionNotActiveError",
+    "TrainingFailedError",
+    "WorkerError",
+    "WorkerFailure",
+    "WorkerGroupError",
+]
+
 
 @dataclass(frozen=True)
 class WorkerFailure:

@@ -28,6 +28,9 @@ from typing import Any
 
 from lockstep.callbacks import Callback, RunInfo, numeric_metrics
 
+__all__ = ["PruningCallback"]
+
+
 logger = logging.getLogger(__name__)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+__all__ = ["PreemptionInfo"]
+
 
 @dataclass(frozen=True)
 class PreemptionInfo:

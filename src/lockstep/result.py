@@ -6,12 +6,14 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
+from lockstep._internal.persist.results import result_fields
+from lockstep._internal.persist.storage import RunStorage
 from lockstep.checkpoint import Checkpoint
-from lockstep.errors import TrainingFailedError, WorkerFailure
 
 if TYPE_CHECKING:
     import pandas
+
+__all__ = ["Result"]
 
 
 @dataclass
@@ -85,54 +87,4 @@ class Result:
                 f"{run.display_path!r} holds no lockstep run (no lockstep_run.json): pass the run "
                 "folder, i.e. <storage_path>/<name>."
             )
-        return result_from_record(run, record, run.read_reports())
-
-
-def result_from_record(
-    run: RunStorage, record: dict[str, Any], reports: list[dict[str, Any]], return_value: Any = None
-) -> Result:
-    """Build a Result from a run record and its report history."""
-    entries = {entry["dir_name"]: CheckpointEntry(**entry) for entry in record.get("checkpoints", [])}
-    latest = list(entries.values())[-1] if entries else None  # the record lists them in commit order
-    best = [entries[name] for name in record.get("best_checkpoints", entries)]  # a record of 0.1.0 has none
-    return Result(
-        metrics=dict(reports[-1]["metrics"]) if reports else None,
-        checkpoint=run.checkpoint_of(latest) if latest is not None else None,
-        error=error_from_record(record.get("error")),
-        path=run.display_path,
-        filesystem=run.filesystem,
-        best_checkpoints=[(run.checkpoint_of(entry), entry.metrics) for entry in best],
-        return_value=return_value,
-        num_failures=int(record.get("num_failures", 0)),
-        metrics_history=[history_row(report) for report in reports],
-    )
-
-
-def history_row(report: dict[str, Any]) -> dict[str, Any]:
-    """A report as one metrics_dataframe row."""
-    return {
-        **report["metrics"],
-        "report_index": report["report_index"],
-        "timestamp": report["timestamp"],
-        "checkpoint_dir_name": report.get("checkpoint_dir_name"),
-    }
-
-
-def error_to_record(error: BaseException | None) -> dict[str, Any] | None:
-    """The error as the run record stores it."""
-    if error is None:
-        return None
-    failures = getattr(error, "failures", {}) or {}
-    return {
-        "type": type(error).__name__,
-        "message": str(error),
-        "failures": [vars(failure) for failure in failures.values()],
-    }
-
-
-def error_from_record(data: dict[str, Any] | None) -> TrainingFailedError | None:
-    """The error of a run record, as a TrainingFailedError."""
-    if not data:
-        return None
-    failures = {item["rank"]: WorkerFailure(**item) for item in data.get("failures", [])}
-    return TrainingFailedError(data["message"], failures)
+        return cls(**result_fields(run, record, run.read_reports()))

@@ -13,6 +13,23 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import default_collate
 
+__all__ = [
+    "BATCH_FORMATS",
+    "Batches",
+    "cast_dtypes",
+    "check_batch_format",
+    "check_batching",
+    "format_batch",
+    "index_batches",
+    "items_of",
+    "map_tensors",
+    "pin",
+    "prefetched",
+    "row_order",
+    "to_numpy",
+]
+
+
 T = TypeVar("T")
 
 #: Batch formats of ``iter_batches`` for torch datasets: how :func:`format_batch` shapes a batch.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["RayDataShard", "is_ray_data_iterator"]
+
 
 def is_ray_data_iterator(value: Any) -> bool:
     """Whether ``value`` is a ``ray.data.DataIterator`` (checked without importing Ray)."""

@@ -10,6 +10,8 @@ from torch.utils.data import Dataset, default_collate
 
 from lockstep.data import batching
 
+__all__ = ["DatasetShard", "shard_datasets"]
+
 
 class DatasetShard(Dataset):
     """Rank ``rank``'s part of a map-style dataset: a contiguous block of
@@ -83,12 +85,12 @@ class DatasetShard(Dataset):
         batching.check_batching(batch_size, local_shuffle_buffer_size)
         return batching.Batches(
             lambda: self._batches(
-                prefetch_batches,
-                batch_size,
-                drop_last,
-                local_shuffle_buffer_size,
-                local_shuffle_seed,
-                lambda items: batching.format_batch(items, batch_format),
+                prefetch_batches=prefetch_batches,
+                batch_size=batch_size,
+                drop_last=drop_last,
+                shuffle_buffer_size=local_shuffle_buffer_size,
+                shuffle_seed=local_shuffle_seed,
+                collate=lambda items: batching.format_batch(items, batch_format),
             )
         )
 
@@ -140,7 +142,12 @@ class DatasetShard(Dataset):
 
         def batches_on_device() -> Iterator[Any]:
             batches = self._batches(
-                prefetch_batches, batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, collate
+                prefetch_batches=prefetch_batches,
+                batch_size=batch_size,
+                drop_last=drop_last,
+                shuffle_buffer_size=local_shuffle_buffer_size,
+                shuffle_seed=local_shuffle_seed,
+                collate=collate,
             )
             return (move_to_device(batch, target, non_blocking=pin_memory) for batch in batches)
 

@@ -5,3 +5,5 @@
 :func:`prepare_trainer` for the ``transformers.Trainer``. Importing this package alone imports
 nothing from Hugging Face.
 """
+
+__all__: list[str] = []  # the integration is the submodule lockstep.huggingface.transformers

@@ -34,6 +34,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 import lockstep
 from lockstep.checkpoint import Checkpoint
 
+__all__ = ["RayTrainReportCallback", "prepare_trainer"]
+
+
 logger = logging.getLogger(__name__)
 
 ReportOn = Literal["save", "evaluate", "log"]

@@ -14,6 +14,9 @@ from lockstep.backend import BackendConfig
 from lockstep.context import TrainContext
 from lockstep.torch.process_group import join_process_group
 
+__all__ = ["TorchConfig"]
+
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl", "mpi", "xccl", "ucc")
@@ -101,7 +104,12 @@ class TorchConfig(BackendConfig):
 
             torch.cuda.set_device(get_device())
         join_process_group(
-            backend, self.init_method, context.world_rank, context.world_size, self.start_timeout_s, self.timeout_s
+            backend=backend,
+            init_method=self.init_method,
+            rank=context.world_rank,
+            world_size=context.world_size,
+            start_timeout_s=self.start_timeout_s,
+            timeout_s=self.timeout_s,
         )
 
     def on_worker_shutdown(self) -> None:

@@ -28,6 +28,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lockstep._internal.rank.step_timing import timed_batches
 
+__all__ = ["EpochTrackingSampler", "LoaderPosition", "ResumableDataLoader"]
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -200,7 +203,13 @@ class ResumableDataLoader(DataLoader):
                 self.batch_size,
                 position.epoch,
             )
-            position = LoaderPosition(position.epoch, 0, False, self._distributed.num_replicas, self.batch_size)
+            position = LoaderPosition(
+                epoch=position.epoch,
+                batches_yielded=0,
+                pass_finished=False,
+                num_replicas=self._distributed.num_replicas,
+                batch_size=self.batch_size,
+            )
         self._restored = position
         self._seen_epoch = self._distributed.epoch
         if isinstance(self.sampler, EpochTrackingSampler):

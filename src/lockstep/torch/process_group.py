@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from lockstep._internal.rank.rank_env import ENV_STORE_PREFIX
 
+__all__ = ["ProcessGroupStartError", "join_process_group"]
+
+
 logger = logging.getLogger(__name__)
 
 #: Variables that choose the interface (and so the address) gloo and nccl advertise.
@@ -40,7 +43,7 @@ def join_process_group(
     """
     start_timeout = datetime.timedelta(seconds=min(start_timeout_s, timeout_s))
     try:
-        _init(backend, init_method, rank, world_size, start_timeout)
+        _init(backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=start_timeout)
     except Exception as error:  # noqa: BLE001 - torch raises several types here; all mean the same
         raise ProcessGroupStartError(describe_start_failure(rank, world_size, start_timeout_s, error)) from error
     dist.set_timeout(datetime.timedelta(seconds=timeout_s))

@@ -18,6 +18,7 @@ from lockstep._internal.rank.step_timing import timed_batches, with_all_reduce_t
 from lockstep._internal.rank.torch_devices import _map_tensors, get_device, get_devices, move_to_device
 from lockstep._internal.ray_compat.deprecated import removed_function
 from lockstep.torch.data_order import EpochTrackingSampler, ResumableDataLoader
+from lockstep.torch.sharding import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ def prepare_model(
         model: The model.
         move_to_device: True for this worker's device, a ``torch.device`` for that one, False to
             leave the model where it is.
-        parallel_strategy: ``"ddp"`` (DistributedDataParallel), ``"fsdp"``
-            (FullyShardedDataParallel) or None. Only applied when there is more than one worker.
-        parallel_strategy_kwargs: Extra arguments for the DDP/FSDP constructor.
+        parallel_strategy: ``"ddp"`` (DistributedDataParallel), ``"fsdp"`` (sharded with FSDP2's
+            ``fully_shard``, on CPU and GPUs; FSDP1's arguments keep FSDP1 on GPUs: see
+            :mod:`lockstep.torch.sharding`) or None. Only applied when there is more than one worker.
+        parallel_strategy_kwargs: Extra arguments for DDP, ``fully_shard`` (or FSDP1).
 
     Returns:
         The model, wrapped when the world size is above 1.
@@ -88,15 +90,7 @@ def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: d
             kwargs.setdefault("device_ids", [device])
             kwargs.setdefault("output_device", device)
         return with_all_reduce_timing(DistributedDataParallel(model, **kwargs))
-    if device.type == "cpu":
-        raise ValueError(
-            "prepare_model: parallel_strategy='fsdp' needs GPUs (torch's FSDP has no CPU mode); "
-            "use ScalingConfig(use_gpu=True), or parallel_strategy='ddp' on CPU."
-        )
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    kwargs.setdefault("device_id", device)
-    return FullyShardedDataParallel(model, **kwargs)
+    return shard_model(model, device, kwargs)
 
 
 # -- data loader ---------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from lockstep.config import DataConfig, RunConfig, ScalingConfig
 from lockstep.torch.config import TorchConfig
 from lockstep.trainer import DataParallelTrainer, check_type
 
+__all__ = ["TorchTrainer"]
+
 
 class TorchTrainer(DataParallelTrainer):
     """Runs a PyTorch train function on several workers joined in one process group.

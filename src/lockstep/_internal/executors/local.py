@@ -106,11 +106,11 @@ class LocalExecutor(Executor):
         spec = replace(self.spec, log_dir=driver.log_dir, console=driver.console)
         return driver.run(
             GroupFactory(
-                self.name,
-                lambda size: LocalWorkerGroup(replace(spec, num_workers=size), payload),
-                self.min_workers,
-                self.max_workers,
-                lambda: local_capacity(spec),
+                executor=self.name,
+                start_group=lambda size: LocalWorkerGroup(replace(spec, num_workers=size), payload),
+                min_workers=self.min_workers,
+                max_workers=self.max_workers,
+                capacity=lambda: local_capacity(spec),
             )
         )
 

@@ -143,11 +143,23 @@ class RayExecutor(Executor):
                 earlier.release()
             if parked:
                 parked.clear()
-            return RayWorkerGroup(replace(spec, num_workers=size), payload, self.datasets, self.should_split, parked)
+            return RayWorkerGroup(
+                spec=replace(spec, num_workers=size),
+                payload=payload,
+                datasets=self.datasets,
+                should_split=self.should_split,
+                parked=parked,
+            )
 
         try:
             result = driver.run(
-                GroupFactory(self.name, start_group, self.min_workers, self.max_workers, lambda: cluster_capacity(spec))
+                GroupFactory(
+                    executor=self.name,
+                    start_group=start_group,
+                    min_workers=self.min_workers,
+                    max_workers=self.max_workers,
+                    capacity=lambda: cluster_capacity(spec),
+                )
             )
         except BaseException:
             for group in parked or []:
@@ -256,7 +268,13 @@ class RayWorkerGroup(ChannelGroup):
         shards = split_datasets(self.datasets, self.spec.num_workers, self.should_split)
         runs = {}
         for rank, actor in zip(self._places, self._actors, strict=True):
-            env = rank_env(self._places, rank, master_port, self.spec.cpus_per_worker, self.spec.use_gpu).variables()
+            env = rank_env(
+                ranks=self._places,
+                rank=rank,
+                master_port=master_port,
+                cpus=self.spec.cpus_per_worker,
+                use_gpu=self.spec.use_gpu,
+            ).variables()
             env.update(self._channels.worker_env(rank.world_rank))
             runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path())] = rank.world_rank
         self._watcher = threading.Thread(target=self._watch, args=(runs,), daemon=True, name="lockstep-ray-watch")

@@ -160,7 +160,16 @@ def assign_ranks(places: list[WorkerPlace], first_node_id: str | None = None) ->
             key=lambda index: (_gpu_sort_key(places[index].gpu_ids), index),
         )
         for local_rank, index in enumerate(on_node):
-            ranked.append(RankPlace(index, len(ranked), local_rank, len(on_node), node_rank, places[index]))
+            ranked.append(
+                RankPlace(
+                    actor_index=index,
+                    world_rank=len(ranked),
+                    local_rank=local_rank,
+                    local_world_size=len(on_node),
+                    node_rank=node_rank,
+                    place=places[index],
+                )
+            )
     return ranked
 
 

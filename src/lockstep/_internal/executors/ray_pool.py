@@ -56,14 +56,14 @@ class Shape:
 def shape_of(spec: GroupSpec) -> Shape:
     """The shape of a group of ``spec`` in this process's current Ray job."""
     return Shape(
-        spec.num_workers,
-        float(spec.cpus_per_worker),
-        float(spec.gpus_per_worker),
-        spec.use_gpu,
-        tuple(sorted((key, float(amount)) for key, amount in spec.resources_per_worker.items())),
-        spec.placement_strategy,
-        spec.accelerator_type,
-        current_ray_job(),
+        num_workers=spec.num_workers,
+        cpus_per_worker=float(spec.cpus_per_worker),
+        gpus_per_worker=float(spec.gpus_per_worker),
+        use_gpu=spec.use_gpu,
+        resources=tuple(sorted((key, float(amount)) for key, amount in spec.resources_per_worker.items())),
+        placement_strategy=spec.placement_strategy,
+        accelerator_type=spec.accelerator_type,
+        ray_job=current_ray_job(),
     )
 
 

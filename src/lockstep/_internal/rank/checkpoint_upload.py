@@ -152,7 +152,9 @@ class CheckpointUploader:
                 error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, OSError) else str(failure)
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
-            message = protocol.CheckpointUploaded(self._context.world_rank, index, job.dir_name, error, external)
+            message = protocol.CheckpointUploaded(
+                rank=self._context.world_rank, index=index, dir_name=job.dir_name, error=error, external_path=external
+            )
             self._channel.send(message)
 
     def close(self) -> None:

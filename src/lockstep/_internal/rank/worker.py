@@ -153,7 +153,12 @@ def run_rank(
     datasets = shard_datasets(job.datasets, context.world_rank, context.world_size, job.dataset_config.should_split)
     datasets.update({name: RayDataShard(shard) for name, shard in (extra_datasets or {}).items()})
     session = WorkerSession(
-        context, channel, start.first_report_index, starting_checkpoint(start, job), datasets, start.used_dir_names
+        context=context,
+        channel=channel,
+        first_report_index=start.first_report_index,
+        checkpoint=starting_checkpoint(start, job),
+        datasets=datasets,
+        used_dir_names=start.used_dir_names,
     )
     set_session(session)
     os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces

@@ -111,7 +111,13 @@ class AttemptEvents:
             attempt.liveness.fail([failed.failure])
 
     def _on_notice(self, notice: protocol.PreemptionNotice, attempt: Attempt, group: WorkerGroup) -> None:
-        self.preemption.notice(notice.host, [notice.rank], notice.urgent, notice.cause, notice.deadline_ms)
+        self.preemption.notice(
+            host=notice.host,
+            ranks=[notice.rank],
+            urgent=notice.urgent,
+            cause=notice.cause,
+            deadline_ms=notice.deadline_ms,
+        )
 
     def _on_exited(self, exited: WorkerExited, attempt: Attempt, group: WorkerGroup) -> None:
         attempt.liveness.exit(exited, group.output_tail)

@@ -75,7 +75,13 @@ class Controller:
         listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
         self.listeners = listeners
         self.stopping = Stopping(listeners.run)
-        self.events = AttemptEvents(make_group, recorder, listeners, self.preemption, self.stopping)
+        self.events = AttemptEvents(
+            make_group=make_group,
+            recorder=recorder,
+            listeners=listeners,
+            preemption=self.preemption,
+            stopping=self.stopping,
+        )
 
     @property
     def failure_history(self) -> list[TrainingFailedError]:
@@ -127,12 +133,12 @@ class Controller:
         while True:
             attempt = self._run_attempt(
                 AttemptStart(
-                    number,
-                    self.make_group.size_now(),
-                    reason,
-                    self.recorder.latest_checkpoint,
-                    len(self.failure_history),
-                    self.restart_policy.max_failures,
+                    number=number,
+                    world_size=self.make_group.size_now(),
+                    reason=reason,
+                    checkpoint=self.recorder.latest_checkpoint,
+                    failures=len(self.failure_history),
+                    max_failures=self.restart_policy.max_failures,
                 )
             )
             if self.stopping.request is not None:

@@ -76,13 +76,13 @@ class RunDriver:
         run_info = RunInfo(self.storage.name, self.storage.display_path, self.scaling.max_workers, self.log_dir)
         failure_config = self.run_config.failure_config
         return Controller(
-            make_group,
-            recorder,
-            failure_config.max_failures if restarts else 0,
-            self.has_resume_checkpoint,
-            failure_config.report_timeout_s,
-            listeners_for(self.run_config, run_info),
-            Preemption(failure_config.preemption_grace_s),
+            make_group=make_group,
+            recorder=recorder,
+            max_failures=failure_config.max_failures if restarts else 0,
+            has_resume_checkpoint=self.has_resume_checkpoint,
+            report_timeout_s=failure_config.report_timeout_s,
+            listeners=listeners_for(self.run_config, run_info),
+            preemption=Preemption(failure_config.preemption_grace_s),
         )
 
     def drive(self, controller: Controller) -> Result:

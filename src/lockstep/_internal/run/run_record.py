@@ -13,12 +13,13 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
+from lockstep._internal.persist.results import error_to_record, result_fields
 from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
 from lockstep._internal.run.checkpoints import best_checkpoints, checkpoints_to_delete
 from lockstep._internal.run.stragglers import RECENT_REPORTS
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig
-from lockstep.result import Result, error_to_record, result_from_record
+from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
 
@@ -195,4 +196,4 @@ class RunRecorder:
 
     def result(self, return_value: Any = None) -> Result:
         """The Result of the run as recorded."""
-        return result_from_record(self.storage, self.record, self.reports, return_value)
+        return Result(**result_fields(self.storage, self.record, self.reports, return_value))

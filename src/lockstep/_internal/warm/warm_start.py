@@ -311,7 +311,7 @@ def rank_starter(payload: bytes, plain: StartRank) -> StartRank:
 def _fork_rank(warm: WarmProcess, env: dict[str, str], payload_fd: int, piped: bool) -> ForkedRank:
     if not piped:
         pid, pidfd = warm.fork(env, 1, 2, payload_fd)
-        return ForkedRank(warm, pid, pidfd, None, None)
+        return ForkedRank(warm=warm, pid=pid, pidfd=pidfd, stdout=None, stderr=None)
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     try:
@@ -323,7 +323,13 @@ def _fork_rank(warm: WarmProcess, env: dict[str, str], payload_fd: int, piped: b
     finally:
         os.close(out_write)
         os.close(err_write)
-    return ForkedRank(warm, pid, pidfd, open(out_read, "rb", buffering=0), open(err_read, "rb", buffering=0))
+    return ForkedRank(
+        warm=warm,
+        pid=pid,
+        pidfd=pidfd,
+        stdout=open(out_read, "rb", buffering=0),
+        stderr=open(err_read, "rb", buffering=0),
+    )
 
 
 def exit_handle(process: RankProcess) -> int:
