@@ -46,8 +46,9 @@ def choose_executor(
         return ExternalExecutor.from_environ(scaling, ray_datasets)
     if _wants_ray(scaling, ray_datasets):
         from lockstep._internal.executors import ray as ray_executor
+        from lockstep._internal.executors.ray_connect import connect
 
-        ray_executor.connect(scaling.ray_address)
+        connect(scaling.ray_address)
         warm_start.release_unused("this fit runs on Ray")
         if ray_datasets and scaling.executor == "auto" and scaling.ray_address is None:
             logger.info("datasets %s are Ray Datasets: running on Ray (%s).", sorted(ray_datasets), _ray_instance())
