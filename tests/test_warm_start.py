@@ -229,7 +229,7 @@ def test_nothing_warm_under_torchrun_in_the_cli_or_a_multiprocessing_child(tmp_p
     spawned = ("import multiprocessing as mp\n"
                "def child(queue):\n"
                "    import lockstep.torch\n"
-               "    from lockstep._internal import warm_start\n"
+               "    from lockstep._internal.warm import warm_start\n"
                "    queue.put(warm_start.warm_process_pid())\n"
                "if __name__ == '__main__':\n"
                "    context = mp.get_context('spawn'); queue = context.Queue()\n"
