@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import random
+import re
 import statistics
 import subprocess
 from collections.abc import Callable, Sequence
@@ -80,10 +81,14 @@ class Goal:
 
     @classmethod
     def from_dict(cls, stored: dict[str, Any]) -> Goal:
-        """A goal as a results file stored it (its verdict recomputed by today's rule)."""
+        """A goal as a results file stored it (its verdict recomputed by today's rule; a file
+        older than the ``rounds`` field gives its rounds in the statistic, "... N rounds")."""
         fields = {name: stored[name] for name in cls.__dataclass_fields__ if name in stored}
         if fields.get("ci95") is not None:
             fields["ci95"] = tuple(fields["ci95"])
+        if fields.get("rounds") is None:
+            counted = re.search(r"(\d+) (?:interleaved )?(?:rounds|runs)", str(fields.get("statistic", "")))
+            fields["rounds"] = int(counted.group(1)) if counted else None
         return cls(**fields)
 
 
