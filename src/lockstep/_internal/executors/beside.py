@@ -37,7 +37,7 @@ def drive_beside_rank_0(
     failure of either the group stops, ``failed_to_prepare`` hears of it, and it is raised), then
     drive the run on a :class:`ControllerThread` (with ``announce``) while this thread runs
     ``run_rank(controller)``; return what ``run_rank`` returned and the joined thread."""
-    size = group.world_size
+    size = group.listener.world_size
     try:
         controller = driver.prepare(GroupFactory(executor, lambda _: group, size, size), restarts=False)
         if prepared is not None:

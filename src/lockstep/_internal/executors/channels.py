@@ -30,8 +30,7 @@ class WorkerConnections:
         self.listener = channel.DriverListener(host, world_size)
         self._by_rank: dict[int, Connection] = {}
         self._rank_of: dict[int, int] = {}  # id(connection) -> rank
-        self._ever_connected: set[int] = set()
-        self._peers: dict[int, str] = {}
+        self._peers: dict[int, str] = {}  # every rank that connected to this group, and its host
         self._lost: dict[int, str] = {}
 
     def worker_env(self, rank: int) -> dict[str, str]:
@@ -64,13 +63,12 @@ class WorkerConnections:
             return []
         self._by_rank[hello.rank] = connection
         self._rank_of[id(connection)] = hello.rank
-        self._ever_connected.add(hello.rank)
         self._peers[hello.rank] = _peer_host(connection)
         return [hello]
 
     def _refusal(self, rank: int) -> str | None:
         """Why ``rank`` may not connect now (None: it may): each rank connects once per group."""
-        return "has connected to this group already" if rank in self._ever_connected else None
+        return "has connected to this group already" if rank in self._peers else None
 
     def _drain(self, connection: Connection) -> list[Any]:
         """Every message waiting on ``connection`` (it is dropped at end of stream, and at a
@@ -215,7 +213,6 @@ class AttachedGroup(ChannelGroup):
 
     def __init__(self, host: str, world_size: int, exit_cause: str, name_hosts: bool = False) -> None:
         super().__init__(host, world_size)
-        self.world_size = world_size
         self.exit_cause = exit_cause
         self.name_hosts = name_hosts
         self._seen: set[int] = set()
