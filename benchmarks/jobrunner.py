@@ -67,14 +67,30 @@ def vm_rss(pid: int) -> int:
     return 0
 
 
-class TreeRssSampler(threading.Thread):
-    """Sums VmRSS over a process tree every ``interval`` seconds and keeps the peaks."""
+def pss(pid: int) -> int:
+    """Proportional set size of ``pid`` in bytes (its private pages, plus each shared page divided
+    by the number of processes sharing it; 0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
-    def __init__(self, root: int, interval: float = RSS_INTERVAL_S) -> None:
+
+class TreeRssSampler(threading.Thread):
+    """Sums VmRSS (and, with ``with_pss``, PSS) over a process tree every ``interval`` seconds and
+    keeps the peaks."""
+
+    def __init__(self, root: int, interval: float = RSS_INTERVAL_S, with_pss: bool = False) -> None:
         super().__init__(daemon=True)
         self.root = root
         self.interval = interval
+        self.with_pss = with_pss
         self.peak_total = 0
+        self.peak_pss = 0
         self.peak_root = 0
         self.peak_processes = 0
         self.samples = 0
@@ -93,6 +109,8 @@ class TreeRssSampler(threading.Thread):
         self.peak_total = max(self.peak_total, sum(sizes))
         self.peak_root = max(self.peak_root, sizes[0] if sizes else 0)
         self.peak_processes = max(self.peak_processes, sum(1 for size in sizes if size))
+        if self.with_pss:
+            self.peak_pss = max(self.peak_pss, sum(pss(pid) for pid in pids))
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -119,6 +137,7 @@ class RunResult:
     peak_rss: int | None = None
     peak_root_rss: int | None = None
     peak_processes: int | None = None
+    peak_pss: int | None = None
     data: dict[str, Any] = field(default_factory=dict)
 
 
@@ -153,13 +172,14 @@ def kill_tree(root: int) -> None:
             pass
 
 
-def run_job(command: list[str], env: dict[str, str], log: Path, timeout_s: float, sample_rss: bool) -> RunResult:
-    """Run ``command`` to its end; whole-process wall time, peak tree RSS, BENCH_JSON data."""
+def run_job(command: list[str], env: dict[str, str], log: Path, timeout_s: float, sample_rss: bool,
+            sample_pss: bool = False) -> RunResult:
+    """Run ``command`` to its end; whole-process wall time, peak tree RSS (and PSS), BENCH_JSON data."""
     with open(log, "wb") as output:
         started = time.perf_counter()
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-        sampler = TreeRssSampler(process.pid) if sample_rss else None
+        sampler = TreeRssSampler(process.pid, with_pss=sample_pss) if sample_rss or sample_pss else None
         if sampler is not None:
             sampler.start()
         try:
@@ -186,4 +206,5 @@ def run_job(command: list[str], env: dict[str, str], log: Path, timeout_s: float
     if sampler is not None:
         result.peak_rss, result.peak_root_rss = sampler.peak_total, sampler.peak_root
         result.peak_processes = sampler.peak_processes
+        result.peak_pss = sampler.peak_pss if sample_pss else None
     return result

@@ -235,7 +235,7 @@ def test_every_public_module_says_what_it_exports() -> None:
 
 
 #: Calls that take their arguments by position by nature: logging's and printf-style calls, C functions.
-POSITIONAL_BY_NATURE = {"debug", "info", "warning", "error", "exception", "log_clear_of_line", "prctl"}
+POSITIONAL_BY_NATURE = {"debug", "info", "warning", "error", "exception", "log_clear_of_line", "prctl", "pack"}
 
 
 def test_calls_with_five_or_more_arguments_name_them() -> None:

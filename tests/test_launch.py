@@ -13,15 +13,17 @@ import pytest
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal.wire import channel, protocol
+from lockstep._internal.wire import channel, codec, protocol
 from lockstep._internal.executors import choose_executor
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.external import ExternalExecutor
 from lockstep._internal.executors.local import LocalExecutor
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.persist.storage import CheckpointEntry
+from lockstep._internal.rank.step_timing import StepTimes
 from lockstep.errors import WorkerFailure
 from lockstep.torch import TorchTrainer
+from test_channel_trust import pump
 from test_scripts import SCRIPTS, torchrun
 
 LAUNCHER_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -84,28 +86,46 @@ def test_under_torchrun_each_rank_runs_the_function_its_own_process_built(tmp_pa
 # -- the channel ---------------------------------------------------------------------------------
 
 
-def test_messages_travel_as_json_and_come_back_equal() -> None:
+def test_messages_travel_as_json_or_a_binary_report_and_come_back_equal() -> None:
     messages = [
         protocol.Hello(1, 42),
         protocol.Start(3, CheckpointEntry("checkpoint_000002", 2, {}, None), False, ["checkpoint_000002"]),
-        protocol.Report(0, 3, '{"loss": 0.5}', "checkpoint_000003", "written"),
         protocol.Output(1, True, b"\x00\xffbytes"),
         protocol.Failed(WorkerFailure(1, "ValueError", "bad", "Traceback ...")),
         protocol.ReportDone(3, None),
     ]
     for message in messages:
-        encoded = protocol.encode(message)
+        encoded = codec.encode(message)
         json.loads(encoded)
-        assert protocol.decode(encoded) == message
+        assert codec.decode(encoded) == message
+    reports = [
+        protocol.Report(0, 3, '{"loss": 0.5}', "checkpoint_000003", "written"),
+        protocol.Report(5, 2**40, None, step_times=StepTimes(0.5, 0.1, 0.2, 0.05)),
+        protocol.Report(1, 0, "{}", "ünïcode", "external", "s3://bucket/ckpt"),
+    ]
+    for report in reports:
+        encoded = codec.encode(report)
+        assert encoded[0] == codec.REPORT_MARK and codec.decode(encoded) == report
 
 
 def test_a_message_naming_any_other_type_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown message type"):
-        protocol.decode(json.dumps({"~type": "os.system", "command": "true"}).encode())
+        codec.decode(json.dumps({"~type": "os.system", "command": "true"}).encode())
     with pytest.raises(ValueError, match="malformed Hello"):
-        protocol.decode(json.dumps({"~type": "Hello", "rank": 0, "shell": "true"}).encode())
+        codec.decode(json.dumps({"~type": "Hello", "rank": 0, "shell": "true"}).encode())
     with pytest.raises(ValueError):
-        protocol.decode(b"\x80\x04pickled")
+        codec.decode(b"\x80\x04pickled")
+
+
+@pytest.mark.parametrize("cut", [1, 10, 20, -1])
+def test_a_malformed_binary_report_is_refused(cut: int) -> None:
+    encoded = codec.encode(protocol.Report(1, 7, None, "checkpoint_000007", "external", "/elsewhere"))
+    with pytest.raises(ValueError, match="malformed Report"):
+        codec.decode(encoded[:cut])
+    with pytest.raises(ValueError, match="malformed Report"):
+        codec.decode(encoded + b"x")
+    with pytest.raises(ValueError, match="malformed Report"):
+        codec.decode(encoded[:-1] + b"\xff")  # the last string is no longer UTF-8
 
 
 def rogue_attempts(address: str) -> list[str]:
@@ -119,7 +139,7 @@ def rogue_attempts(address: str) -> list[str]:
         outcomes.append("refused")
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as raw:
-        hello = protocol.encode(protocol.Hello(1, os.getpid()))
+        hello = codec.encode(protocol.Hello(1, os.getpid()))
         raw.sendall(len(hello).to_bytes(4, "big") + hello)
         challenge = raw.recv(1024)  # the driver's challenge (or b"" if rank 1 has connected already)
         reply = b""
@@ -146,8 +166,10 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch: pytes
     monkeypatch.setattr(channel, "HANDSHAKE_TIMEOUT_S", 0.2)
     connections = WorkerConnections("127.0.0.1", 2)
     try:
-        with socket.create_connection(connections.listener.address):
-            assert connections.read(connections.listener) == []
+        with socket.create_connection(connections.listener.address) as silent:
+            assert pump(connections, 1.0) == []
+            silent.settimeout(5)
+            assert silent.recv(1024) == b"", "the driver kept a silent peer past the handshake timeout"
         assert connections.connected_ranks() == set()
     finally:
         connections.close()

@@ -2,25 +2,58 @@
 accepts ranks as they connect, one authenticated connection per rank (each rank once per
 group), and the part of a worker group that only talks over them (:class:`ChannelGroup`).
 Every message read from a connection is checked to come from that connection's rank
-(:func:`lockstep._internal.wire.channel.check_sender`)."""
+(:func:`lockstep._internal.wire.channel.check_sender`).
+
+One event loop serves a whole group: the listener, every connection (opening or open) and
+whatever else the executor watches (process handles, a wake-up pipe) are registered once with
+an ``epoll`` selector, so a wait costs the same with 2 ranks as with 1,000, and nothing the
+driver reads ever blocks it: an opening connection is read as its bytes come
+(:class:`~lockstep._internal.wire.channel.DriverHandshake`), and an answer every rank gets is
+encoded once.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
+import select
+import selectors
 import socket
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, wait
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep._internal.output.worker_output import ConsoleMode, OutputRelay
 from lockstep._internal.run.failures import FailureKind
 from lockstep._internal.run.worker_group import WorkerExited, WorkerGroup
-from lockstep._internal.wire import channel, protocol
+from lockstep._internal.wire import channel, codec, protocol
+from lockstep._internal.wire.frames import FrameReader, frame
 from lockstep._internal.wire.link_watch import LOST_EXIT_CODE, lost_link_cause
 
 logger = logging.getLogger(__name__)
+
+READ_CHUNK = 1 << 18
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One accepted connection: opening (``handshake`` set) or open as ``rank``."""
+
+    sock: socket.socket
+    host: str
+    handshake: channel.DriverHandshake | None
+    deadline: float
+    reader: FrameReader = field(default_factory=lambda: FrameReader(channel.HELLO_MAX_BYTES))
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class _Watched:
+    """Something else the group's wait watches (a process handle, a pipe): its ``tag`` is handed
+    back when it is ready."""
+
+    tag: Any
 
 
 class WorkerConnections:
@@ -28,8 +61,10 @@ class WorkerConnections:
 
     def __init__(self, host: str, world_size: int) -> None:
         self.listener = channel.DriverListener(host, world_size)
-        self._by_rank: dict[int, Connection] = {}
-        self._rank_of: dict[int, int] = {}  # id(connection) -> rank
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.listener.fileno(), selectors.EVENT_READ, self.listener)
+        self._opening: set[_Peer] = set()
+        self._by_rank: dict[int, _Peer] = {}
         self._peers: dict[int, str] = {}  # every rank that connected to this group, and its host
         self._lost: dict[int, str] = {}
 
@@ -41,86 +76,163 @@ class WorkerConnections:
         """The ranks whose channel is open."""
         return set(self._by_rank)
 
-    def waitables(self) -> list[Any]:
-        """What ``multiprocessing.connection.wait`` should watch: the listener and every connection."""
-        return [self.listener, *self._by_rank.values()]
+    # -- waiting -------------------------------------------------------------------------------
 
-    def owns(self, ready: Any) -> bool:
-        """Whether ``ready`` (returned by ``wait``) is one of these channels."""
-        return ready is self.listener or isinstance(ready, Connection)
+    def watch(self, handle: Any, tag: Any = None) -> None:
+        """Wake :meth:`wait` when ``handle`` (a descriptor or an object with ``fileno()``) is
+        readable; :meth:`wait` then hands back ``tag`` (``handle`` itself if None)."""
+        self._selector.register(handle, selectors.EVENT_READ, _Watched(handle if tag is None else tag))
 
-    def read(self, ready: Any) -> list[Any]:
-        """The messages available on ``ready``: a new worker's Hello, or what a worker sent."""
-        return self._accept() if ready is self.listener else self._drain(ready)
+    def unwatch(self, handle: Any) -> None:
+        """Stop watching ``handle`` (before it is closed)."""
+        self._selector.unregister(handle)
 
-    def _accept(self) -> list[Any]:
-        try:
-            connection, hello = self.listener.accept(self._refusal)
-        except (OSError, EOFError, AuthenticationError, ValueError) as error:
-            logger.warning(
-                "refused a connection that is not one of this run's workers: %s", error or type(error).__name__
-            )
-            return []
-        self._by_rank[hello.rank] = connection
-        self._rank_of[id(connection)] = hello.rank
-        self._peers[hello.rank] = _peer_host(connection)
-        return [hello]
+    def wait(self, timeout: float | None) -> tuple[list[Any], list[Any]]:
+        """Wait until a rank sends something, a peer connects or a watched handle is ready (or
+        ``timeout`` passes); return (the ranks' messages, Hellos of newly proven ranks first
+        in their turn, and the tags of the watched handles that are ready)."""
+        events: list[Any] = []
+        ready_handles: list[Any] = []
+        for key, _ in self._selector.select(self._bounded(timeout)):
+            target = key.data
+            if isinstance(target, _Watched):
+                ready_handles.append(target.tag)
+            elif target is self.listener:
+                self._accept()
+            else:
+                events += self._read(target)
+        self._drop_silent_peers()
+        return events, ready_handles
+
+    def _bounded(self, timeout: float | None) -> float | None:
+        """``timeout``, cut short so that an opening peer that went silent is dropped on time."""
+        if not self._opening:
+            return timeout
+        first = max(0.0, min(peer.deadline for peer in self._opening) - time.monotonic())
+        return first if timeout is None else min(timeout, first)
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + channel.HANDSHAKE_TIMEOUT_S
+        for sock, host in self.listener.accept_waiting():
+            peer = _Peer(sock, host, self.listener.handshake(host, self._refusal), deadline)
+            self._opening.add(peer)
+            self._selector.register(sock, selectors.EVENT_READ, peer)
 
     def _refusal(self, rank: int) -> str | None:
         """Why ``rank`` may not connect now (None: it may): each rank connects once per group."""
         return "has connected to this group already" if rank in self._peers else None
 
-    def _drain(self, connection: Connection) -> list[Any]:
-        """Every message waiting on ``connection`` (it is dropped at end of stream, and at a
-        message its rank may not send: then a ChannelViolation failure of that rank ends the list)."""
-        rank = self._rank_of[id(connection)]
-        messages: list[Any] = []
+    def _drop_silent_peers(self) -> None:
+        now = time.monotonic()
+        for peer in [peer for peer in self._opening if peer.deadline <= now]:
+            self._refuse(peer, f"{peer.host} did not prove a rank within {channel.HANDSHAKE_TIMEOUT_S:g} s")
+
+    def _refuse(self, peer: _Peer, reason: str) -> None:
+        logger.warning("refused a connection that is not one of this run's workers: %s", reason)
+        self._close(peer)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _read(self, peer: _Peer) -> list[Any]:
+        """What ``peer`` sent that can be read now (nothing blocks)."""
         try:
-            while connection.poll():
-                message = protocol.decode(connection.recv_bytes())
-                violation = channel.check_sender(rank, message)
-                if violation is not None:
-                    return [*messages, self._violated(connection, rank, violation)]
-                messages.append(message)
-        except (EOFError, OSError, ValueError) as error:
-            self._forget(connection, error)
+            data = peer.sock.recv(READ_CHUNK)
+        except OSError as error:
+            return self._gone(peer, error)
+        if not data:
+            return self._gone(peer, None)
+        if peer.handshake is not None:
+            return self._opening_frames(peer, data)
+        return self._messages(peer, peer.reader.feed(data))
+
+    def _opening_frames(self, peer: _Peer, data: bytes) -> list[Any]:
+        """Feed an opening channel; once its rank is proven, it is open and its Hello is the event."""
+        assert peer.handshake is not None
+        try:
+            frames = peer.reader.feed(data)
+            while frames and peer.handshake is not None:
+                reply, proven = peer.handshake.on_frame(frames.pop(0))
+                if reply is not None:
+                    peer.sock.sendall(frame(reply))
+                if proven is not None:
+                    self._open(peer, proven)
+                    return [proven, *self._messages(peer, frames)]
+        except (OSError, ValueError) as error:  # ChannelRefused is an OSError
+            self._refuse(peer, str(error) or type(error).__name__)
+        return []
+
+    def _open(self, peer: _Peer, hello: protocol.Hello) -> None:
+        self._opening.discard(peer)
+        peer.handshake, peer.rank = None, hello.rank
+        peer.reader.max_frame = None
+        self._by_rank[hello.rank] = peer
+        self._peers[hello.rank] = peer.host
+
+    def _messages(self, peer: _Peer, frames: Iterable[bytes]) -> list[Any]:
+        """The messages in ``frames`` from an open channel; at one its rank may not send, a
+        ChannelViolation failure of that rank ends the list and the channel."""
+        rank = peer.rank
+        assert rank is not None
+        messages: list[Any] = []
+        for payload in frames:
+            try:
+                message = codec.decode(payload)
+            except ValueError as error:
+                return [*messages, self._violated(peer, f"rank {rank} sent something lockstep can't read ({error})")]
+            violation = channel.check_sender(rank, message)
+            if violation is not None:
+                return [*messages, self._violated(peer, violation)]
+            messages.append(message)
         return messages
 
-    def _violated(self, connection: Connection, rank: int, violation: str) -> protocol.Failed:
-        """Close rank ``rank``'s channel for ``violation``; the failure that says so."""
-        logger.warning("closed rank %d's channel: %s", rank, violation)
-        self._forget(connection)
+    def _violated(self, peer: _Peer, violation: str) -> protocol.Failed:
+        """Close ``peer``'s channel for ``violation``; the failure that says so."""
+        assert peer.rank is not None
+        logger.warning("closed rank %d's channel: %s", peer.rank, violation)
+        self._close(peer)
         return protocol.Failed(
             FailureKind.CHANNEL_VIOLATION.failure(
-                rank,
+                peer.rank,
                 f"{violation}; lockstep closed its channel (a message's rank is the rank of the channel it "
                 "comes on, and nothing it carries was unpickled)",
             )
         )
 
+    def _gone(self, peer: _Peer, error: OSError | None) -> list[Any]:
+        """``peer``'s connection ended (``error``: how, when it failed); a host that stopped
+        answering is noted as lost."""
+        if peer.rank is not None and error is not None:
+            cause = lost_link_cause(error, peer.host)
+            if cause is not None:
+                logger.warning("rank %d's channel is %s", peer.rank, cause)
+                self._lost[peer.rank] = cause
+        self._close(peer)
+        return []
+
+    def _close(self, peer: _Peer) -> None:
+        self._opening.discard(peer)
+        if peer.rank is not None and self._by_rank.get(peer.rank) is peer:
+            del self._by_rank[peer.rank]
+        with contextlib.suppress(KeyError, ValueError):  # not registered (any more)
+            self._selector.unregister(peer.sock)
+        peer.sock.close()
+
     def drain_rank(self, rank: int, until_closed_s: float = 0.0) -> list[Any]:
         """What ``rank`` sent and is not read yet. With ``until_closed_s``, keep reading until the
         worker closes its end (or that many seconds pass): its last messages may still be on
         the way when the executor learns that it ended."""
-        connection = self._by_rank.get(rank)
-        if connection is None:
+        peer = self._by_rank.get(rank)
+        if peer is None:
             return []
-        messages = self._drain(connection)
+        messages: list[Any] = []
         deadline = time.monotonic() + until_closed_s
-        while rank in self._by_rank and connection.poll(max(0.0, deadline - time.monotonic())):
-            messages += self._drain(connection)
+        poller = select.poll()
+        poller.register(peer.sock, select.POLLIN)
+        while self._by_rank.get(rank) is peer:
+            if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                break
+            messages += self._read(peer)
         return messages
-
-    def _forget(self, connection: Connection, error: BaseException | None = None) -> None:
-        self._rank_of.pop(id(connection), None)
-        for rank, known in list(self._by_rank.items()):
-            if known is connection:
-                del self._by_rank[rank]
-                cause = lost_link_cause(error, self._peers.get(rank, "?")) if error is not None else None
-                if cause is not None:
-                    logger.warning("rank %d's channel is %s", rank, cause)
-                    self._lost[rank] = cause
-        connection.close()
 
     def peer_host(self, rank: int) -> str:
         """The address ``rank`` connected from ("?" when it never connected)."""
@@ -132,22 +244,31 @@ class WorkerConnections:
         lost, self._lost = self._lost, {}
         return lost
 
+    # -- answering -----------------------------------------------------------------------------
+
     def send(self, rank: int, message: Any) -> None:
         """Send a message to a rank (ignored if that rank is already gone)."""
-        connection = self._by_rank.get(rank)
-        if connection is None:
-            return
+        peer = self._by_rank.get(rank)
+        if peer is not None:
+            self._send_frame(peer, frame(codec.encode(message)))
+
+    def send_all(self, message: Any) -> None:
+        """Send one message to every connected rank, encoded once."""
+        data = frame(codec.encode(message))
+        for peer in list(self._by_rank.values()):
+            self._send_frame(peer, data)
+
+    def _send_frame(self, peer: _Peer, data: bytes) -> None:
         try:
-            connection.send_bytes(protocol.encode(message))
+            peer.sock.sendall(data)
         except OSError as error:
-            self._forget(connection, error)
+            self._gone(peer, error)
 
     def close(self) -> None:
         """Close every connection and the listener."""
-        for connection in list(self._by_rank.values()):
-            connection.close()
-        self._by_rank.clear()
-        self._rank_of.clear()
+        for peer in [*self._by_rank.values(), *self._opening]:
+            self._close(peer)
+        self._selector.close()
         self.listener.close()
 
 
@@ -160,18 +281,12 @@ class ChannelGroup(WorkerGroup):
         self._channels = WorkerConnections(host, world_size)
         self._output = OutputRelay(log_dir, console) if log_dir else None
 
-    def _wait(self, others: list[Any], timeout: float | None) -> tuple[list[Any], list[Any]]:
-        """Wait on the channels and ``others`` together; return the ranks' messages (their
-        output already relayed) and which of ``others`` are ready."""
-        events: list[Any] = []
-        ready_others: list[Any] = []
-        for ready in wait([*self._channels.waitables(), *others], timeout):
-            if self._channels.owns(ready):
-                events += self._channels.read(ready)
-            else:
-                ready_others.append(ready)
+    def _wait(self, timeout: float | None) -> tuple[list[Any], list[Any]]:
+        """Wait on the channels and the handles this group watches together; return the ranks'
+        messages (their output already relayed) and the tags of the watched handles that are ready."""
+        events, ready = self._channels.wait(timeout)
         lost = [WorkerExited(rank, LOST_EXIT_CODE, cause) for rank, cause in self._channels.take_lost().items()]
-        return [*self._relayed(events), *lost], ready_others
+        return [*self._relayed(events), *lost], ready
 
     def _relayed(self, events: list[Any]) -> list[Any]:
         """Hand the ranks' Output messages to the relay; return the other events. (A Hello
@@ -194,6 +309,10 @@ class ChannelGroup(WorkerGroup):
     def send(self, rank: int, message: Any) -> None:
         """Send a message to a rank (ignored if that rank is already gone)."""
         self._channels.send(rank, message)
+
+    def send_all(self, message: Any, ranks: range) -> None:
+        """Send one message to every rank (``ranks``: all of them), encoded once."""
+        self._channels.send_all(message)
 
     def output_tail(self, rank: int) -> str:
         """The last lines ``rank`` wrote to stderr, and where its full log is."""
@@ -224,7 +343,7 @@ class AttachedGroup(ChannelGroup):
 
     def wait_events(self, timeout: float | None) -> list[Any]:
         """What the ranks sent; a WorkerExited for each rank whose channel has closed."""
-        events, _ = self._wait([], timeout)
+        events, _ = self._wait(timeout)
         self._seen |= {event.rank for event in events if isinstance(event, protocol.Hello)}
         self._ended |= {event.rank for event in events if isinstance(event, WorkerExited)}
         for rank in sorted(self._seen - self._ended - self._channels.connected_ranks()):
@@ -244,12 +363,3 @@ class AttachedGroup(ChannelGroup):
     def stop(self) -> None:
         """Close the channels: ranks waiting in ``report()`` then fail."""
         self._close_channels()
-
-
-def _peer_host(connection: Connection) -> str:
-    """The address of the host at the other end of ``connection``."""
-    try:
-        with socket.socket(fileno=os.dup(connection.fileno())) as view:
-            return str(view.getpeername()[0])
-    except OSError:
-        return "?"

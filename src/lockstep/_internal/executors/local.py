@@ -144,6 +144,7 @@ class LocalWorkerGroup(ChannelGroup):
                 self._output.attach(rank, process.stdout, process.stderr)
             self._processes[rank] = process
             self._exit_handles[rank] = warm_start.exit_handle(process)
+            self._channels.watch(self._exit_handles[rank], tag=rank)
         logger.debug("started %d worker processes", self.spec.num_workers)
 
     def _worker_env(self, rank: int, master_port: int, gpu_ids: list[str]) -> dict[str, str]:
@@ -176,15 +177,16 @@ class LocalWorkerGroup(ChannelGroup):
 
     def wait_events(self, timeout: float | None) -> list[Any]:
         """Wait on the workers' channels and their exit handles together."""
-        exit_ranks = {handle: rank for rank, handle in self._exit_handles.items()}
-        events, exited = self._wait(list(exit_ranks), timeout)
-        for handle in exited:
-            events += self._on_exit(exit_ranks[handle])
+        events, exited_ranks = self._wait(timeout)
+        for rank in exited_ranks:
+            events += self._on_exit(rank)
         return events
 
     def _on_exit(self, rank: int) -> list[Any]:
         """A rank's process ended: first deliver what it sent before dying, then the exit."""
-        os.close(self._exit_handles.pop(rank))
+        handle = self._exit_handles.pop(rank)
+        self._channels.unwatch(handle)
+        os.close(handle)
         self._processes[rank].wait()
         return [*self._channels.drain_rank(rank), WorkerExited(rank, self._processes[rank].returncode)]
 

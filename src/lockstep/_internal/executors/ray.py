@@ -148,6 +148,7 @@ class RayWorkerGroup(ChannelGroup):
         self._places: list[RankPlace] = []
         self._ended: queue.SimpleQueue[WorkerExited] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
+        self._channels.watch(self._wake_read)
         self._watcher: threading.Thread | None = None
         self._drains: DrainWatcher | None = None
         self._parked = parked
@@ -254,7 +255,7 @@ class RayWorkerGroup(ChannelGroup):
 
     def wait_events(self, timeout: float | None) -> list[Any]:
         """Wait on the workers' channels and on Ray's news of ended actors and drained nodes together."""
-        events, woken = self._wait([self._wake_read], timeout)
+        events, woken = self._wait(timeout)
         events += self._drains.take() if self._drains is not None else []
         ended: list[WorkerExited] = []
         if woken:
@@ -305,7 +306,7 @@ class RayWorkerGroup(ChannelGroup):
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None
-        self._close_channels()
+        self._close_channels()  # (which stops watching the wake-up pipe)
         if self._watcher is None or not self._watcher.is_alive():  # else it may still write to the pipe
             os.close(self._wake_read)
             os.close(self._wake_write)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Literal
 
+from lockstep._internal.output.pipe_reader import PipeReader
 from lockstep._internal.output.progress import around_output
 
 ConsoleMode = Literal["rank0", "all", "none"]
@@ -38,19 +39,23 @@ Show = Callable[[bytes, bool], None]
 class OutputRelay:
     """Copies each worker's output, as it comes (progress bars included), to
     ``<log_dir>/rank_<r>.log`` and, for the shown ranks, to this process's stdout/stderr; with
-    ``console="all"`` through a :class:`MergingConsole` (each line once, tagged with its ranks)."""
+    ``console="all"`` through a :class:`MergingConsole` (each line once, tagged with its ranks).
+
+    Output arrives two ways: pipes from the ranks' processes (:meth:`attach`), read by one
+    thread that waits on all of them at once (:class:`PipeReader`), whatever the number of
+    ranks; or messages over the channel (:meth:`write`, from executors whose ranks run elsewhere)."""
 
     def __init__(self, log_dir: str, console: ConsoleMode, merge_wait_s: float = MERGE_WAIT_S) -> None:
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.console = console
-        self._threads: list[threading.Thread] = []
         self._lock = threading.Condition()
         self._files: dict[int, IO[bytes]] = {}
         self._log_partial: dict[tuple[int, bool], bytes] = {}
         self._stderr_tails: dict[int, collections.deque[bytes]] = {}
         self._merging = MergingConsole(_show_on_console, merge_wait_s) if console == "all" else None
         self._timer: threading.Thread | None = None
+        self._pipes: PipeReader | None = None
         self._closing = False
 
     def log_path(self, rank: int) -> str:
@@ -68,20 +73,10 @@ class OutputRelay:
         with self._lock:
             self._log_file(rank)
         self.expect(rank)
-        for stream, is_stderr in ((stdout, False), (stderr, True)):
-            thread = threading.Thread(
-                target=self._copy,
-                args=(rank, stream, is_stderr),
-                daemon=True,
-                name=f"lockstep-output-rank{rank}",
-            )
-            thread.start()
-            self._threads.append(thread)
-
-    def _copy(self, rank: int, stream: IO[bytes], is_stderr: bool) -> None:
-        while chunk := os.read(stream.fileno(), 65536):
-            self.write(rank, chunk, is_stderr)
-        stream.close()
+        if self._pipes is None:
+            self._pipes = PipeReader(self.write)
+        self._pipes.add(rank, stdout, is_stderr=False)
+        self._pipes.add(rank, stderr, is_stderr=True)
 
     def write(self, rank: int, chunk: bytes, is_stderr: bool) -> None:
         """Take ``chunk`` of what ``rank`` wrote: into its log, and to the console if shown."""
@@ -145,8 +140,8 @@ class OutputRelay:
     def close(self, timeout_s: float = 5.0) -> None:
         """Wait for the streams to end (their processes are gone), show what the console still
         holds, and close the log files."""
-        for thread in self._threads:
-            thread.join(timeout_s)
+        if self._pipes is not None:
+            self._pipes.close(timeout_s)
         with self._lock:
             self._closing = True
             self._lock.notify()

@@ -26,7 +26,7 @@ from lockstep._internal.run.preemption import HangUp, Preemption
 from lockstep._internal.run.report_barrier import ReportBarrier
 from lockstep._internal.run.run_record import RunRecorder
 from lockstep._internal.run.stopping import Stopping
-from lockstep._internal.run.stragglers import slowest_rank, times_record
+from lockstep._internal.run.stragglers import times_record
 from lockstep._internal.run.worker_group import GroupFactory, WorkerExited, WorkerGroup
 from lockstep._internal.wire import protocol
 
@@ -149,8 +149,7 @@ class AttemptEvents:
         attempt.latest_sent = latest
         stop = self.preemption.stops_now or self.stopping.decide(report.index)
         done = protocol.ReportDone(report.index, protocol.checkpoint_ref(changed), self.preemption.message(), stop)
-        for rank in range(attempt.world_size):
-            group.send(rank, done)
+        group.send_all(done, range(attempt.world_size))
 
     def _on_collective(self, call: protocol.Collective, attempt: Attempt, group: WorkerGroup) -> None:
         """One rank entered a barrier or broadcast; the last one releases every rank."""
@@ -163,8 +162,7 @@ class AttemptEvents:
                 or self._deadlock(attempt)
             )
             return
-        for rank in range(attempt.world_size):
-            group.send(rank, done)
+        group.send_all(done, range(attempt.world_size))
 
     def _deadlock(self, attempt: Attempt) -> list[Any]:
         """Failures when every rank waits and none can be released (reports vs collectives)."""
@@ -194,7 +192,7 @@ class AttemptEvents:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
         dir_name = agreed_dir_name(index, calls.values())
         report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name, times_record(calls))
-        note_slow_rank(slowest_rank(self.recorder.recent_step_times))
+        note_slow_rank(self.recorder.slow_ranks.slowest)
         self.listeners.after_report(index, report["metrics"])
         if dir_name is not None:
             attempt.commits.reported(index, dir_name, report["metrics"], calls.values())

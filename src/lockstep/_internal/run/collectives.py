@@ -64,8 +64,10 @@ class CollectiveBarrier:
     def deadlocked(self, in_report: Iterable[int], report_index: int | None) -> list[WorkerFailure]:
         """Failures when every rank waits, some in a collective and the others in ``report()``
         #``report_index``: neither can ever be released."""
+        if not self.waiting:
+            return []
         reporting = set(in_report)
-        if not self.waiting or not reporting or len(reporting | set(self.waiting)) < self.world_size:
+        if not reporting or len(reporting | set(self.waiting)) < self.world_size:
             return []
         first = self.waiting[min(self.waiting)]
         return [

@@ -45,6 +45,8 @@ class ReportBarrier:
 
     def left_behind(self, finished: Collection[int]) -> list[WorkerFailure]:
         """Failures for the ``finished`` ranks that will never make a report others wait in."""
+        if not finished:
+            return []
         for index, calls in self.waiting.items():
             gone = sorted(rank for rank in finished if rank not in calls)
             if gone:

@@ -9,14 +9,13 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from dataclasses import asdict
 from typing import Any
 
 from lockstep._internal.persist.results import error_to_record, result_fields
 from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
 from lockstep._internal.run.checkpoints import best_checkpoints, checkpoints_to_delete
-from lockstep._internal.run.stragglers import RECENT_REPORTS
+from lockstep._internal.run.stragglers import RECENT_REPORTS, SlowRankWatch, keeps_step_times
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig
 from lockstep.result import Result
@@ -51,11 +50,11 @@ class RunRecorder:
         self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
         self.checkpoints = [CheckpointEntry(**entry) for entry in self.record.get("checkpoints", [])]
         self._log = storage.open_report_log([json.dumps(report) for report in self.reports])
-        # per-rank step times stay in reports.jsonl; in memory only the recent ones (they grow with ranks)
-        self.recent_step_times: deque[dict[str, dict[str, float]]] = deque(maxlen=RECENT_REPORTS)
-        for report in self.reports:
-            if report.get("step_times"):
-                self.recent_step_times.append(report.pop("step_times"))
+        # per-rank step times stay in reports.jsonl; in memory only the slow-rank rule's reading of them
+        self.slow_ranks = SlowRankWatch()
+        timed = [report.pop("step_times") for report in self.reports if report.get("step_times")]
+        for step_times in timed[-RECENT_REPORTS:]:
+            self.slow_ranks.add(step_times)
 
     def check_resumable(self) -> None:
         """Refuse to continue a run whose record names a checkpoint that is gone.
@@ -136,16 +135,18 @@ class RunRecorder:
         step_times: dict[str, dict[str, float]] | None = None,
     ) -> dict[str, Any]:
         """Add one report (every rank has made it) to the history, with each rank's
-        ``step_times`` when they sent them (see :mod:`lockstep._internal.run.stragglers`)."""
+        ``step_times`` when they sent them (see :mod:`lockstep._internal.run.stragglers`; with
+        many ranks the history keeps them for every few reports only, :func:`keeps_step_times`)."""
         report: dict[str, Any] = {
             "report_index": index,
             "timestamp": time.time(),
             "metrics": json.loads(metrics_json),
             "checkpoint_dir_name": checkpoint_dir_name,
         }
-        self._log.append(json.dumps(report if step_times is None else {**report, "step_times": step_times}))
+        kept = step_times is not None and keeps_step_times(index, len(step_times))
+        self._log.append(json.dumps({**report, "step_times": step_times} if kept else report))
         if step_times is not None:
-            self.recent_step_times.append(step_times)
+            self.slow_ranks.add(step_times)
         self.reports.append(report)
         return report
 

@@ -23,6 +23,7 @@ the others, and its compute share may still be the largest). A balanced run name
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,9 @@ SLOW_RATIO = 1.25
 MIN_GAP_SHARE = 0.10
 #: Slow in at least this share of the recent reports.
 CONSISTENT_SHARE = 0.8
+
+#: The history keeps every report's step times up to this many ranks; past it, every few reports'.
+STEP_TIMES_KEPT_RANKS = 64
 
 #: The parts of a rank's time, in the order ``lockstep show`` prints them.
 PARTS = ("data", "collective", "report", "compute")
@@ -80,6 +84,15 @@ def times_record(calls: Mapping[int, Any]) -> dict[str, dict[str, float]] | None
     }
 
 
+def keeps_step_times(index: int, ranks: int) -> bool:
+    """Whether the run history keeps report ``index``'s per-rank step times: always up to
+    :data:`STEP_TIMES_KEPT_RANKS` ranks, else every ``ranks / STEP_TIMES_KEPT_RANKS``-th report,
+    so the history grows by about as much per report at 1,000 ranks as at 64 (the driver's
+    slow-rank rule sees every report either way)."""
+    every = -(-ranks // STEP_TIMES_KEPT_RANKS)
+    return index % every == 0
+
+
 def parts_of(times: RankTimes) -> dict[str, float]:
     """Seconds in each of :data:`PARTS` (compute: the rest of the window)."""
     waits = {part: float(times.get(part, 0.0)) for part in ("data", "collective", "report")}
@@ -87,9 +100,10 @@ def parts_of(times: RankTimes) -> dict[str, float]:
 
 
 def busy(times: RankTimes) -> float:
-    """The rank's own work: data wait plus compute."""
-    parts = parts_of(times)
-    return parts["data"] + parts["compute"]
+    """The rank's own work: data wait plus compute (the window less the waits for other ranks)."""
+    data = float(times.get("data", 0.0))
+    waits = data + float(times.get("collective", 0.0)) + float(times.get("report", 0.0))
+    return data + max(0.0, float(times.get("window", 0.0)) - waits)
 
 
 def slow_in(report_times: Mapping[str, RankTimes]) -> int | None:
@@ -121,15 +135,37 @@ def slowest_rank(recent: Sequence[Mapping[str, RankTimes]]) -> SlowRank | None:
     """The consistently slow rank, from the step times of the latest reports (as
     :func:`recent_times` picks them), or None."""
     recent = list(recent)[-RECENT_REPORTS:]
+    return _slowest(recent, [slow_in(times) for times in recent])
+
+
+def _slowest(recent: Sequence[Mapping[str, RankTimes]], verdicts: Sequence[int | None]) -> SlowRank | None:
+    """The rule's verdict over ``recent`` reports, given each one's slow rank (``verdicts``)."""
     if len(recent) < MIN_REPORTS:
         return None
-    verdicts = [slow_in(times) for times in recent]
-    rank = max(set(verdicts), key=verdicts.count)
-    if rank is None or verdicts.count(rank) < CONSISTENT_SHARE * len(recent):
+    rank = max(set(verdicts), key=list(verdicts).count)
+    if rank is None or list(verdicts).count(rank) < CONSISTENT_SHARE * len(recent):
         return None
     shares = rank_shares(recent)
     cause = cause_of(rank, shares)
     return SlowRank(rank, cause, shares.get(rank, {}).get(cause, 0.0))
+
+
+class SlowRankWatch:
+    """The driver's running reading of the rule, one report at a time: each report's verdict is
+    worked out once, when it comes (its cost grows with the ranks, not with the reports kept),
+    and the cause only while a rank is consistently slow."""
+
+    def __init__(self) -> None:
+        self._recent: deque[Mapping[str, RankTimes]] = deque(maxlen=RECENT_REPORTS)
+        self._verdicts: deque[int | None] = deque(maxlen=RECENT_REPORTS)
+        self.slowest: SlowRank | None = None
+
+    def add(self, report_times: Mapping[str, RankTimes]) -> SlowRank | None:
+        """Take the next report's step times; the slowest rank now (None when the ranks are balanced)."""
+        self._recent.append(report_times)
+        self._verdicts.append(slow_in(report_times))
+        self.slowest = _slowest(self._recent, self._verdicts)
+        return self.slowest
 
 
 def cause_of(rank: int, shares: Mapping[int, Mapping[str, float]]) -> str:

@@ -63,6 +63,11 @@ class WorkerGroup(abc.ABC):
     def send(self, rank: int, message: Any) -> None:
         """Send one driver message to a rank."""
 
+    def send_all(self, message: Any, ranks: range) -> None:
+        """Send one driver message to every rank of the group (``ranks``: all of them)."""
+        for rank in ranks:
+            self.send(rank, message)
+
     def output_tail(self, rank: int) -> str:
         """The last lines ``rank`` wrote to stderr, and where its full log is."""
         return ""

@@ -2,18 +2,23 @@
 
 The driver holds the run's secret (32 random bytes, never given to a worker). Each rank gets
 only its own credential, ``HMAC-SHA256(secret, "lockstep rank <r>")`` (:func:`rank_credential`),
-so a rank can prove that it is itself and nothing else. Opening a channel:
+so a rank can prove that it is itself and nothing else. Opening a channel takes three messages,
+each a frame of :mod:`lockstep._internal.wire.frames`:
 
-1. the worker says which rank it is: a ``Hello`` (its rank and pid), unauthenticated;
+1. the worker sends a ``Hello``: its rank, its pid and a fresh random nonce (unauthenticated,
+   at most :data:`HELLO_MAX_BYTES`);
 2. the driver refuses a rank outside ``0 .. world_size - 1`` and a rank that has connected to
-   this group already, and otherwise challenges the peer with that rank's credential
-   (``multiprocessing.connection``'s HMAC challenge), then answers the peer's own challenge,
-   so the worker knows it talks to the driver that made its credential;
-3. from then on the connection *is* that rank: a message that claims another rank, or one that
-   only the driver sends, closes it (:func:`check_sender`).
+   this group already (it closes the connection, having sent nothing); otherwise it answers
+   with a ``Challenge``: a nonce of its own and its proof, an HMAC of both nonces under the
+   rank's credential, so the worker knows it talks to the driver that made its credential;
+3. the worker checks that proof and sends its own (``Proof``: an HMAC of both nonces under a
+   different label, so one side's proof is never the other's).
 
-A peer gets :data:`HANDSHAKE_TIMEOUT_S` for all of that, so a silent one can't stall the driver.
-The channel authenticates its ends; it does not encrypt (see the README's security section).
+From then on the connection *is* that rank: a message that claims another rank, or one that
+only the driver sends, closes it (:func:`check_sender`). The driver never blocks on a peer: it
+reads each opening channel as its bytes come (:class:`DriverHandshake`), and a peer gets
+:data:`HANDSHAKE_TIMEOUT_S` for the whole exchange. The channel authenticates its ends; it does
+not encrypt (see the security page of the docs).
 """
 
 from __future__ import annotations
@@ -23,15 +28,13 @@ import hmac
 import os
 import secrets
 import socket
-import struct
 import threading
 from collections.abc import Callable, Mapping
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any
 
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
-from lockstep._internal.wire import protocol
+from lockstep._internal.wire import codec, protocol
 from lockstep._internal.wire.link_watch import watch_link
 
 ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
@@ -39,8 +42,11 @@ ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
 ENV_DRIVER_PID = "LOCKSTEP_DRIVER_PID"
 #: How long a connecting peer has to say hello and prove its credential.
 HANDSHAKE_TIMEOUT_S = 10.0
-#: The most bytes an unauthenticated peer may send in its Hello.
+#: The most bytes an unauthenticated peer may send in one frame (its Hello, its Proof).
 HELLO_MAX_BYTES = 4096
+NONCE_BYTES = 32
+_DRIVER_LABEL = b"lockstep driver proof\0"
+_RANK_LABEL = b"lockstep rank proof\0"
 
 
 class ChannelRefused(ConnectionError):
@@ -50,6 +56,10 @@ class ChannelRefused(ConnectionError):
 def rank_credential(secret: bytes, rank: int) -> bytes:
     """Rank ``rank``'s credential: what it proves to the driver, derived from the run's secret."""
     return hmac.new(secret, f"lockstep rank {rank}".encode(), hashlib.sha256).digest()
+
+
+def _proof(credential: bytes, label: bytes, first_nonce: bytes, second_nonce: bytes) -> str:
+    return hmac.new(credential, label + first_nonce + second_nonce, hashlib.sha256).hexdigest()
 
 
 def check_sender(rank: int, message: Any) -> str | None:
@@ -64,12 +74,14 @@ def check_sender(rank: int, message: Any) -> str | None:
 
 
 class DriverListener:
-    """A TCP listener on the driver that accepts the ranks of one worker group of ``world_size``."""
+    """A TCP listener on the driver for the ranks of one worker group of ``world_size``; it never
+    blocks (see :meth:`accept_waiting`)."""
 
     def __init__(self, host: str, world_size: int) -> None:
         self.world_size = world_size
         self._secret = secrets.token_bytes(32)
-        self._socket = socket.create_server((host, 0), backlog=128)
+        self._socket = socket.create_server((host, 0), backlog=min(4096, max(128, world_size)))
+        self._socket.setblocking(False)
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
 
     @property
@@ -78,61 +90,115 @@ class DriverListener:
         return self._secret
 
     def fileno(self) -> int:
-        """Readable when a worker is waiting to be accepted (for ``multiprocessing.connection.wait``)."""
+        """Readable when a worker is waiting to be accepted."""
         return self._socket.fileno()
 
-    def accept(self, refusal: Callable[[int], str | None]) -> tuple[Connection, protocol.Hello]:
-        """Accept one waiting worker: read its Hello, ask ``refusal`` whether that rank may
-        connect (a reason when not), and authenticate both ways with the rank's credential.
+    def accept_waiting(self) -> list[tuple[socket.socket, str]]:
+        """Every connection waiting to be accepted (none may be), each with its peer's address:
+        blocking sockets with the link watch on and no delay on small writes."""
+        accepted: list[tuple[socket.socket, str]] = []
+        while True:
+            try:
+                client, (peer, *_) = self._socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return accepted
+            except OSError:  # the peer gave up before we accepted it
+                return accepted
+            client.setblocking(True)
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            watch_link(client, sends_little=True)
+            accepted.append((client, str(peer)))
 
-        Raises:
-            ChannelRefused: the Hello names a rank outside the group, or ``refusal`` gave a reason.
-            OSError, EOFError, multiprocessing.AuthenticationError, ValueError: the peer is not
-                the rank it claims (wrong credential, not a Hello, too slow).
-        """
-        client, (peer, _) = self._socket.accept()
-        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        watch_link(client, sends_little=True)
-        _set_receive_timeout(client, HANDSHAKE_TIMEOUT_S)
-        connection = Connection(client.detach())
-        try:
-            hello = self._read_hello(connection, peer, refusal)
-            credential = rank_credential(self._secret, hello.rank)
-            deliver_challenge(connection, credential)
-            answer_challenge(connection, credential)
-        except BaseException:
-            connection.close()
-            raise
-        with socket.socket(fileno=os.dup(connection.fileno())) as view:
-            _set_receive_timeout(view, 0.0)
-        return connection, hello
+    def handshake(self, peer: str, refusal: Callable[[int], str | None]) -> DriverHandshake:
+        """The driver's side of opening a channel with ``peer`` (see :class:`DriverHandshake`)."""
+        return DriverHandshake(self, peer, refusal)
 
-    def _read_hello(self, connection: Connection, peer: str, refusal: Callable[[int], str | None]) -> protocol.Hello:
-        try:
-            hello = protocol.decode(connection.recv_bytes(HELLO_MAX_BYTES))
-        except ValueError as error:
-            raise ValueError(f"{peer} sent something that is not a Hello ({error})") from error
-        if not isinstance(hello, protocol.Hello) or not isinstance(hello.rank, int) or isinstance(hello.rank, bool):
-            raise ValueError(f"{peer} sent a {type(hello).__name__} instead of a Hello with a rank")
-        if not 0 <= hello.rank < self.world_size:
-            raise ChannelRefused(f"{peer} claims rank {hello.rank}, but this group has ranks 0-{self.world_size - 1}")
-        reason = refusal(hello.rank)
-        if reason is not None:
-            raise ChannelRefused(f"{peer} claims rank {hello.rank}, which {reason}")
-        return hello
+    def credential(self, rank: int) -> bytes:
+        """Rank ``rank``'s credential."""
+        return rank_credential(self._secret, rank)
 
     def worker_env(self, rank: int) -> dict[str, str]:
         """The environment variables rank ``rank`` needs to connect back: the address and its own credential."""
         host, port = self.address
         return {
             ENV_DRIVER_ADDRESS: f"{host}:{port}",
-            ENV_AUTHKEY: rank_credential(self._secret, rank).hex(),
+            ENV_AUTHKEY: self.credential(rank).hex(),
             ENV_DRIVER_PID: str(os.getpid()),
         }
 
     def close(self) -> None:
         """Stop accepting workers."""
         self._socket.close()
+
+
+class DriverHandshake:
+    """The driver's side of opening one channel, fed the peer's frames as they come: the Hello,
+    then the Proof. ``refusal(rank)`` says why a rank may not connect now (None: it may).
+
+    :meth:`on_frame` raises when the peer can't be the rank it claims:
+    :class:`ChannelRefused` (a rank outside the group, or one ``refusal`` refuses) or
+    ``ValueError`` (not a Hello, not a Proof, a wrong proof).
+    """
+
+    def __init__(self, listener: DriverListener, peer: str, refusal: Callable[[int], str | None]) -> None:
+        self._listener = listener
+        self.peer = peer
+        self._refusal = refusal
+        self.hello: protocol.Hello | None = None
+        self._credential = b""
+        self._nonces = (b"", b"")  # the worker's, the driver's
+
+    def on_frame(self, payload: bytes) -> tuple[bytes | None, protocol.Hello | None]:
+        """Take one frame from the peer: (what to send it back, the Hello once the peer has proven its rank)."""
+        if self.hello is None:
+            return self._on_hello(payload), None
+        return None, self._on_proof(payload)
+
+    def _on_hello(self, payload: bytes) -> bytes:
+        hello = _decoded(payload, protocol.Hello, self.peer)
+        if not isinstance(hello.rank, int) or isinstance(hello.rank, bool):
+            raise ValueError(f"{self.peer} sent a Hello without a rank")
+        world_size = self._listener.world_size
+        if not 0 <= hello.rank < world_size:
+            raise ChannelRefused(f"{self.peer} claims rank {hello.rank}, but this group has ranks 0-{world_size - 1}")
+        reason = self._refusal(hello.rank)
+        if reason is not None:
+            raise ChannelRefused(f"{self.peer} claims rank {hello.rank}, which {reason}")
+        worker_nonce = _nonce(hello.nonce, self.peer)
+        driver_nonce = secrets.token_bytes(NONCE_BYTES)
+        self.hello, self._nonces = hello, (worker_nonce, driver_nonce)
+        self._credential = self._listener.credential(hello.rank)
+        proof = _proof(self._credential, _DRIVER_LABEL, worker_nonce, driver_nonce)
+        return codec.encode(protocol.Challenge(driver_nonce.hex(), proof))
+
+    def _on_proof(self, payload: bytes) -> protocol.Hello:
+        assert self.hello is not None
+        answer = _decoded(payload, protocol.Proof, self.peer)
+        worker_nonce, driver_nonce = self._nonces
+        expected = _proof(self._credential, _RANK_LABEL, driver_nonce, worker_nonce)
+        if not isinstance(answer.proof, str) or not hmac.compare_digest(answer.proof, expected):
+            raise ValueError(f"{self.peer} claims rank {self.hello.rank} but does not hold its credential")
+        return self.hello
+
+
+def _decoded(payload: bytes, kind: type[Any], peer: str) -> Any:
+    try:
+        message = codec.decode(payload)
+    except ValueError as error:
+        raise ValueError(f"{peer} sent something that is not a {kind.__name__} ({error})") from error
+    if not isinstance(message, kind):
+        raise ValueError(f"{peer} sent a {type(message).__name__} instead of a {kind.__name__}")
+    return message
+
+
+def _nonce(text: Any, peer: str) -> bytes:
+    try:
+        nonce = bytes.fromhex(text) if isinstance(text, str) else b""
+    except ValueError:
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise ValueError(f"{peer} sent a Hello without a {NONCE_BYTES}-byte nonce")
+    return nonce
 
 
 class WorkerChannel:
@@ -145,13 +211,13 @@ class WorkerChannel:
 
     def send(self, message: Any) -> None:
         """Send one message to the driver."""
-        data = protocol.encode(message)
+        data = codec.encode(message)
         with self._send_lock:
             self._connection.send_bytes(data)
 
     def recv(self) -> Any:
         """Wait for the driver's next message."""
-        return protocol.decode(self._connection.recv_bytes())
+        return codec.decode(self._connection.recv_bytes())
 
     def fileno(self) -> int:
         """The channel's socket."""
@@ -178,13 +244,30 @@ def connect_to_driver(rank: int, env: Mapping[str, str] = os.environ) -> WorkerC
     watch_link(sock, sends_little=False)
     connection = Connection(sock.detach())
     try:
-        connection.send_bytes(protocol.encode(protocol.Hello(rank, os.getpid())))
-        answer_challenge(connection, credential)
-        deliver_challenge(connection, credential)
-    except (EOFError, OSError, ValueError, AuthenticationError) as error:
+        _prove_rank(connection, rank, credential)
+    except (EOFError, OSError, ValueError) as error:
         connection.close()
         raise ChannelRefused(_refused_message(rank, host, port, error)) from error
     return WorkerChannel(connection)
+
+
+def _prove_rank(connection: Connection, rank: int, credential: bytes) -> None:
+    """The worker's side of opening a channel (see the module's docstring).
+
+    Raises:
+        ValueError: the peer is not the driver that made this credential.
+        EOFError, OSError: the driver closed the connection (it refused this rank).
+    """
+    worker_nonce = secrets.token_bytes(NONCE_BYTES)
+    connection.send_bytes(codec.encode(protocol.Hello(rank, os.getpid(), worker_nonce.hex())))
+    challenge = codec.decode(connection.recv_bytes(HELLO_MAX_BYTES))
+    if not isinstance(challenge, protocol.Challenge):
+        raise ValueError(f"the driver sent a {type(challenge).__name__} instead of a Challenge")
+    driver_nonce = _nonce(challenge.nonce, "the driver")
+    expected = _proof(credential, _DRIVER_LABEL, worker_nonce, driver_nonce)
+    if not isinstance(challenge.proof, str) or not hmac.compare_digest(challenge.proof, expected):
+        raise ValueError("the peer could not prove it is the driver that made this rank's credential")
+    connection.send_bytes(codec.encode(protocol.Proof(_proof(credential, _RANK_LABEL, driver_nonce, worker_nonce))))
 
 
 def _refused_message(rank: int, host: str, port: str, error: BaseException) -> str:
@@ -193,10 +276,3 @@ def _refused_message(rank: int, host: str, port: str, error: BaseException) -> s
         f"({type(error).__name__}: {error or 'connection closed'}); another process may have connected as "
         f"rank {rank} already, or {ENV_AUTHKEY} is not this rank's credential"
     )
-
-
-def _set_receive_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make blocking reads on ``sock``'s descriptor fail after ``seconds`` (0: never). Unlike
-    ``settimeout``, this keeps the descriptor blocking, as ``Connection`` needs."""
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))

@@ -17,19 +17,17 @@ Who may speak as whom (see :class:`DriverListener`):
 - a message's rank is the rank of the connection it came on: one that claims another rank, or
   that only the driver sends, ends that rank's channel (:func:`check_sender`).
 
-Messages travel as JSON, never as pickles: reading one can build nothing but the dataclasses
-listed in ``MESSAGE_TYPES``. Two fields carry pickles that only their proven sender's peers
-unpickle: rank 0's return value (unpickled by the driver) and rank 0's broadcast object
-(forwarded by the driver, unpickled by the ranks).
+Messages travel as JSON (a report in a fixed binary layout), never as pickles: reading one can
+build nothing but plain data and the dataclasses listed in ``MESSAGE_TYPES`` (see
+:mod:`lockstep._internal.wire.codec`). Two fields carry pickles that only their proven
+sender's peers unpickle: rank 0's return value (unpickled by the driver) and rank 0's broadcast
+object (forwarded by the driver, unpickled by the ranks).
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep._internal.rank.step_timing import StepTimes
@@ -40,10 +38,20 @@ from lockstep.errors import WorkerFailure
 
 @dataclass(frozen=True)
 class Hello:
-    """First message of a worker, before it proves its credential: its rank and process id."""
+    """First message of a worker, before it proves its credential: its rank, its process id and
+    a fresh random ``nonce`` (hex) that the driver's proof must cover."""
 
     rank: int
     pid: int
+    nonce: str = ""
+
+
+@dataclass(frozen=True)
+class Proof:
+    """The worker's proof that it holds the credential of the rank its Hello named: an HMAC of
+    both nonces (hex; see :mod:`lockstep._internal.wire.channel`)."""
+
+    proof: str
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,15 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Challenge:
+    """The driver's answer to a Hello it accepts: its own fresh ``nonce`` (hex) and its proof
+    that it holds the rank's credential, an HMAC of both nonces (hex)."""
+
+    nonce: str
+    proof: str
+
+
+@dataclass(frozen=True)
 class Start:
     """The driver's answer to ``Hello``: where this attempt starts.
 
@@ -229,6 +246,8 @@ MESSAGE_TYPES: dict[str, type] = {
     kind.__name__: kind
     for kind in (
         *WORKER_MESSAGES,
+        Proof,
+        Challenge,
         Start,
         Preempted,
         ReportDone,
@@ -239,53 +258,3 @@ MESSAGE_TYPES: dict[str, type] = {
         StepTimes,
     )
 }
-TYPE_KEY = "~type"
-BYTES_KEY = "~bytes"
-
-
-def encode(message: Any) -> bytes:
-    """A message as JSON bytes."""
-    return json.dumps(_plain(message), separators=(",", ":")).encode()
-
-
-def decode(data: bytes) -> Any:
-    """The message that :func:`encode` made.
-
-    Raises:
-        ValueError: ``data`` is not such a message.
-    """
-    return _rebuilt(json.loads(data))
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and type(value).__name__ in MESSAGE_TYPES:
-        fields = {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
-        return {TYPE_KEY: type(value).__name__, **fields}
-    if isinstance(value, bytes):
-        return {BYTES_KEY: base64.b64encode(value).decode()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    raise TypeError(f"a {type(value).__name__} can't travel on lockstep's channel")
-
-
-def _rebuilt(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_rebuilt(item) for item in value]
-    if not isinstance(value, dict):
-        return value
-    if BYTES_KEY in value:
-        return base64.b64decode(value[BYTES_KEY])
-    fields = {key: _rebuilt(item) for key, item in value.items() if key != TYPE_KEY}
-    if TYPE_KEY not in value:
-        return fields
-    kind = MESSAGE_TYPES.get(value[TYPE_KEY])
-    if kind is None:
-        raise ValueError(f"unknown message type {value[TYPE_KEY]!r} on lockstep's channel")
-    try:
-        return kind(**fields)
-    except TypeError as error:
-        raise ValueError(f"a malformed {kind.__name__} on lockstep's channel: {error}") from error
