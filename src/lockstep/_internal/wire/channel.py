@@ -4,7 +4,7 @@ The driver holds the run's secret (32 random bytes, never given to a worker). Ea
 only its own credential, ``HMAC-SHA256(secret, "lockstep rank <r>")`` (:func:`rank_credential`),
 so a rank can prove that it is itself and nothing else. Opening a channel:
 
-1. the worker says which rank it is: a ``Hello`` (its rank and pid), unauthenticated;
+1. the worker says which rank it is: a ``Hello`` (its rank, pid and host name), unauthenticated;
 2. the driver refuses a rank outside ``0 .. world_size - 1`` and a rank that has connected to
    this group already, and otherwise challenges the peer with that rank's credential
    (``multiprocessing.connection``'s HMAC challenge), then answers the peer's own challenge,
@@ -178,7 +178,7 @@ def connect_to_driver(rank: int, env: Mapping[str, str] = os.environ) -> WorkerC
     watch_link(sock, sends_little=False)
     connection = Connection(sock.detach())
     try:
-        connection.send_bytes(protocol.encode(protocol.Hello(rank, os.getpid())))
+        connection.send_bytes(protocol.encode(protocol.Hello(rank, os.getpid(), socket.gethostname())))
         answer_challenge(connection, credential)
         deliver_challenge(connection, credential)
     except (EOFError, OSError, ValueError, AuthenticationError) as error:

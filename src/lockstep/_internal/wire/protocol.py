@@ -40,10 +40,12 @@ from lockstep.errors import WorkerFailure
 
 @dataclass(frozen=True)
 class Hello:
-    """First message of a worker, before it proves its credential: its rank and process id."""
+    """First message of a worker, before it proves its credential: its rank, process id and
+    host name (as the worker reads it; shown in the run record's ``ranks``, never trusted)."""
 
     rank: int
     pid: int
+    host: str = ""
 
 
 @dataclass(frozen=True)
