@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -82,3 +83,26 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05): 
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(interval_s)
+
+
+def start_dashboard(storage_path: str, *args: str, env: dict[str, str] | None = None,
+                    timeout_s: float = 60) -> tuple[subprocess.Popen[str], str]:
+    """``lockstep dashboard --storage STORAGE --port 0 ARGS`` and the URL it printed."""
+    process = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "dashboard", "--storage", storage_path,
+                                "--port", "0", *args], env={**os.environ, **(env or {})},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    line = process.stdout.readline() if ready else ""
+    if not line.startswith("dashboard: "):
+        process.kill()
+        _, errors = process.communicate()
+        raise AssertionError(f"the dashboard did not start: {line!r} {errors}")
+    return process, line.split(" ", 1)[1].strip()
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    """End a process this test started, and reap it."""
+    if process.poll() is None:
+        process.kill()
+    process.communicate()

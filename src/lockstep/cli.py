@@ -280,10 +280,10 @@ def run_dashboard(args: argparse.Namespace) -> None:
     token = args.token or os.environ.get("LOCKSTEP_DASHBOARD_TOKEN") or None
     serve(
         os.path.expanduser(args.storage),
-        args.host,
-        args.port,
-        token,
-        lambda url: print(f"dashboard: {url}", flush=True),
+        host=args.host,
+        port=args.port,
+        token=token,
+        announce=lambda url: print(f"dashboard: {url}", flush=True),
     )
 
 

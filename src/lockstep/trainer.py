@@ -93,7 +93,11 @@ class DataParallelTrainer:
         storage = self._run_storage(executor.run_name(self.run_config.name, type(self).__name__))
         scaling = executor.run_scaling(self.scaling_config)
         driver = RunDriver(
-            storage, self.run_config, scaling, self.resume_from_checkpoint is not None, self._config_record(scaling)
+            storage,
+            self.run_config,
+            scaling,
+            has_resume_checkpoint=self.resume_from_checkpoint is not None,
+            config=self._config_record(scaling),
         )
         with executor.reserve(storage.name):
             return executor.launch(self._job(storage), driver)

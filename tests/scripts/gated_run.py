@@ -1,11 +1,12 @@
 """A run that reports when the test says: ``gated_run.py STORAGE NAME GATES WORKERS``.
 
 Each rank makes report n once the file ``GATES/<n>`` exists (n = 0, 1, ...) and prints a line to
-its log, and returns once ``GATES/finish`` exists. The metrics port comes from
+its log, and returns once ``GATES/finish`` exists. lockstep logs at INFO. The metrics port comes from
 ``LOCKSTEP_METRICS_PORT`` when the test sets it. Prints ``RESULT <metrics>`` at the end.
 """
 
 import json
+import logging
 import os
 import sys
 import time
@@ -34,6 +35,8 @@ def train(config: dict) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lockstep").setLevel(logging.INFO)  # shows the metrics URL, among others
     storage, name, gates, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     result = TorchTrainer(train, train_loop_config={"gates": gates}, scaling_config=ScalingConfig(num_workers=workers),
                           run_config=RunConfig(name=name, storage_path=storage)).fit()

@@ -57,6 +57,7 @@ def serve(
     listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listening.bind((host, port))
+    listening.listen(128)  # connections wait in the backlog from now on, until uvicorn accepts them
     shown_host = socket.gethostname() if host in ("0.0.0.0", "::") else host
     shown_host = f"[{shown_host}]" if ":" in shown_host else shown_host
     announce(f"http://{shown_host}:{listening.getsockname()[1]}/" + (f"?token={token}" if token else ""))
