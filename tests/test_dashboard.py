@@ -145,6 +145,12 @@ def test_off_loopback_the_dashboard_wants_its_token(local_site: str) -> None:
         stop(process)
 
 
+def test_the_help_says_how_to_reach_it_through_an_ssh_tunnel() -> None:
+    shown = subprocess.run([sys.executable, "-m", "lockstep.cli", "dashboard", "--help"], capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+    assert "ssh -N -L 8267:127.0.0.1:8267 you@training-machine" in shown and "http://localhost:8267/" in shown
+
+
 # -- a live run on an S3 server ------------------------------------------------------------------------------
 
 
