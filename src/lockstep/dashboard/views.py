@@ -106,7 +106,9 @@ def rank_rows(record: Mapping[str, Any], recent: list[Any], status: str) -> list
     failed = {
         int(item["rank"]): item.get("error_type", "failed") for item in (record.get("error") or {}).get("failures", [])
     }
-    ranks = sorted({*map(int, roster), *shares, *range(int(record.get("world_size") or 0))})
+    world_size = int(record.get("world_size") or 0)
+    known = {*map(int, roster), *shares, *range(world_size)}
+    ranks = sorted(rank for rank in known if not world_size or rank < world_size)  # not those of a larger group before
     driver_host = (record.get("driver") or {}).get("host")
     rows = []
     for rank in ranks:
