@@ -39,6 +39,7 @@ bench: install
 	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
 	$(PY) benchmarks/timeline.py --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/dashboard_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
 
 # make bench-quick: a few minutes; checks that every script works (results marked quick, which
@@ -51,6 +52,7 @@ bench-quick: install
 	$(PY) benchmarks/step_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)
 	$(PY) benchmarks/timeline.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/dashboard_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
 
 # make docs: the documentation site (mkdocs.yml, docs/*.md, the API reference from the docstrings)

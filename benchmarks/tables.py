@@ -38,6 +38,7 @@ KINDS = {
     "ray": "ray_bench.py",
     "step": "step_bench.py",
     "payload": "payload_bench.py",
+    "dashboard": "dashboard_bench.py",
 }
 
 

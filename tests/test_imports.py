@@ -218,6 +218,30 @@ def test_the_light_entry_points_do_not_load_the_driver_stack(entry_point: str) -
         f"importing {entry_point} loads the driver stack: {loaded}")
 
 
+OPTIONAL_SERVERS = ("starlette", "uvicorn", "prometheus_client")
+
+
+def loaded_modules(entry_point: str) -> list[str]:
+    probe = (f"import sys, {entry_point}\n"
+             "import json; print(json.dumps(sorted(sys.modules)))")
+    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "LOCKSTEP_WARM_START": "1"}, check=True)
+    return json.loads(completed.stdout)
+
+
+@pytest.mark.parametrize("entry_point", ["lockstep", "lockstep._internal.run.driver"])
+def test_lockstep_and_its_driver_load_no_web_framework_nor_prometheus_client(entry_point: str) -> None:
+    loaded = loaded_modules(entry_point)
+    assert not [name for name in loaded if name.split(".")[0] in OPTIONAL_SERVERS], (
+        f"importing {entry_point} loads an optional server package")
+
+
+def test_the_dashboard_loads_neither_the_driver_nor_the_warm_start_nor_torch() -> None:
+    loaded = loaded_modules("lockstep.dashboard.app")
+    assert not [name for name in loaded if name.startswith((*DRIVER_STACK, "lockstep._internal.warm", "torch"))], (
+        "the dashboard only reads storage")
+
+
 # -- the shape of the public modules -----------------------------------------------------------
 
 

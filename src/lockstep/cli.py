@@ -3,6 +3,7 @@
 lockstep runs [STORAGE]                      # default ~/lockstep_results
 lockstep show RUN                            # a run folder, or a run name in --storage
 lockstep plot RUN [RUN ...] [--metric M ...] -o curves.png   # several runs: overlaid
+lockstep dashboard --storage PATH [--port N]  # a web dashboard (see lockstep.dashboard)
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 from lockstep._internal.output.metrics_text import metrics_text
 from lockstep._internal.persist.filesystems import join, resolve_filesystem
 from lockstep._internal.persist.results import history_row, result_fields
+from lockstep._internal.persist.run_status import shown_status
 from lockstep._internal.persist.storage import RECORD_FILE, RunStorage
 from lockstep._internal.run.stragglers import rank_table
 from lockstep.callbacks import numeric_metrics
@@ -57,34 +58,6 @@ def open_run(run: str, storage_path: str) -> StoredRun:
     raise FileNotFoundError(
         f"no lockstep run at {run!r} nor named {run!r} in {storage_path!r}; `lockstep runs {storage_path}` lists them."
     )
-
-
-def shown_status(record: dict[str, Any]) -> str:
-    """The run's status as recorded, except ``lost`` for a ``running`` run whose driver was on
-    this host and is gone (killed with SIGKILL, or its machine restarted): no code of it can
-    still mark the run. A driver on another host can't be checked from here."""
-    status = str(record.get("status", "?"))
-    driver = record.get("driver") or {}
-    if status == "running" and driver.get("host") == socket.gethostname() and not process_alive(driver.get("pid")):
-        return "lost"
-    return status
-
-
-def process_alive(pid: Any) -> bool:
-    """Whether a process ``pid`` runs on this host (one of another user counts)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # nothing to check against: don't call it lost
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs no code
-    except (OSError, IndexError):
-        return True
 
 
 # -- text ---------------------------------------------------------------------------------------
@@ -255,7 +228,63 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--metric", "-m", action="append", help="a metric to draw (repeat it; default: every numeric one)"
     )
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
+    add_dashboard_command(commands)
     return parser.parse_args(argv)
+
+
+DASHBOARD_HELP = """\
+Serve a read-only web dashboard of the runs in a storage path (a folder, or a URI such as
+s3://bucket/prefix): the runs, each run's live curves, ranks, checkpoints, errors, logs and
+config, and several runs side by side. It reads storage only; it never talks to the runs.
+
+From a laptop, through an SSH tunnel to the machine that runs it (it listens on
+127.0.0.1 there, so nothing else can reach it):
+
+  on the training machine:  lockstep dashboard --storage ~/lockstep_results --port 8267
+  on the laptop:            ssh -N -L 8267:127.0.0.1:8267 you@training-machine
+  then open                 http://localhost:8267/
+
+Listening on another address (--host 0.0.0.0) needs a token: give --token (or set
+LOCKSTEP_DASHBOARD_TOKEN), or one is made up; the URL printed at the start carries it.
+Needs pip install 'lockstep[dashboard]'.
+"""
+
+
+def add_dashboard_command(commands: Any) -> None:
+    """The ``dashboard`` subcommand's arguments."""
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="a web dashboard of the runs in a storage path",
+        description=DASHBOARD_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dashboard.add_argument("--storage", default=DEFAULT_STORAGE_PATH, help=f"default {DEFAULT_STORAGE_PATH}")
+    dashboard.add_argument("--port", type=int, default=8267, help="default 8267; 0 picks a free port")
+    dashboard.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    dashboard.add_argument("--token", default=None, help="what a browser must present (default: none on loopback)")
+
+
+def run_dashboard(args: argparse.Namespace) -> None:
+    """``lockstep dashboard``: serve until interrupted.
+
+    Raises:
+        ImportError: the dashboard's packages are missing; the message says how to install them.
+    """
+    try:
+        from lockstep.dashboard import serve
+    except ImportError as error:
+        raise ImportError(
+            f"`lockstep dashboard` needs Starlette and uvicorn ({error}); install them with "
+            "`pip install 'lockstep[dashboard]'`."
+        ) from error
+    token = args.token or os.environ.get("LOCKSTEP_DASHBOARD_TOKEN") or None
+    serve(
+        os.path.expanduser(args.storage),
+        host=args.host,
+        port=args.port,
+        token=token,
+        announce=lambda url: print(f"dashboard: {url}", flush=True),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(json.dumps({**record, "status": shown_status(record), "path": run.display_path}))
             else:
                 print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
+        elif args.command == "dashboard":
+            run_dashboard(args)
         elif args.command == "show":
             print(run_summary(open_run(args.run, args.storage), args.all), end="")
         else:

@@ -264,6 +264,11 @@ class RunConfig:
             from that report's ``report()``, the checkpoints reported so far are committed, the
             run is recorded as ``stopped`` and ``fit()`` returns the Result. Callbacks can stop
             a run too (``run.request_stop(...)``, :class:`lockstep.callbacks.EarlyStopping`).
+        metrics_port: Serve the run's Prometheus metrics over HTTP on this port while it runs
+            (``0``: a free port; the URL is logged and kept in the run record as
+            ``metrics_url``). ``None`` (the default) reads ``LOCKSTEP_METRICS_PORT``, and
+            leaves the metrics off when that is unset. Needs ``pip install 'lockstep[metrics]'``
+            (a lockstep addition; see the Dashboard and metrics page of the docs).
         sync_config, progress_reporter, worker_runtime_env: Ray fields without an equivalent
             here; only None (or an empty ``worker_runtime_env``) is accepted, anything else
             raises a ValueError that says what to use.
@@ -284,8 +289,10 @@ class RunConfig:
     sync_config: Any = None
     progress_reporter: Any = None
     worker_runtime_env: dict[str, Any] | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
+        config_checks.check_metrics_port(self.metrics_port, "RunConfig.metrics_port")
         config_checks.check_v1_run_fields(
             stop=self.stop,
             log_to_file=self.log_to_file,

@@ -11,6 +11,7 @@ from typing import Any
 from lockstep._internal.executors import choose_executor, is_ray_dataset
 from lockstep._internal.payload import TrainJob
 from lockstep._internal.persist.storage import RunStorage, storage_errors
+from lockstep._internal.run.config_record import config_record
 from lockstep._internal.run.driver import RunDriver
 from lockstep._internal.run.run_names import default_run_name
 from lockstep.backend import BackendConfig
@@ -91,9 +92,20 @@ class DataParallelTrainer:
         executor = choose_executor(self.scaling_config, self._ray_datasets, self.dataset_config.should_split)
         storage = self._run_storage(executor.run_name(self.run_config.name, type(self).__name__))
         scaling = executor.run_scaling(self.scaling_config)
-        driver = RunDriver(storage, self.run_config, scaling, self.resume_from_checkpoint is not None)
+        driver = RunDriver(
+            storage,
+            self.run_config,
+            scaling,
+            has_resume_checkpoint=self.resume_from_checkpoint is not None,
+            config=self._config_record(scaling),
+        )
         with executor.reserve(storage.name):
             return executor.launch(self._job(storage), driver)
+
+    def _config_record(self, scaling: ScalingConfig) -> dict[str, Any]:
+        """The run's configuration as its record keeps it."""
+        configs = {"scaling_config": scaling, "run_config": self.run_config, "backend_config": self.backend_config}
+        return config_record(self.train_loop_config, configs, self.datasets)
 
     def _run_storage(self, name: str) -> RunStorage:
         storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)

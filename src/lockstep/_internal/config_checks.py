@@ -216,3 +216,18 @@ def check_run_name(name: Any) -> None:
             f"RunConfig.name={name!r} must be a plain folder name: non-empty, with no '/', "
             "'\\' or '..'. Put the parent folders in storage_path instead."
         )
+
+
+def check_metrics_port(port: Any, where: str) -> None:
+    """A metrics port: ``None`` (off), ``0`` (a free port) or a TCP port number.
+
+    Raises:
+        ValueError: anything else, naming ``where`` it came from.
+    """
+    if port is None:
+        return
+    if not _is_int_at_least(port, 0) or int(port) > 65535:
+        raise ValueError(
+            f"{where} must be a TCP port number (1-65535), 0 for a free port, or None to leave the metrics "
+            f"off; got {port!r}."
+        )

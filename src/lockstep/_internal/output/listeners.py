@@ -155,13 +155,14 @@ class LogLines(Callback):
             log_clear_of_line(logger, logging.WARNING, "%s", error)
 
 
-def listeners_for(run_config: RunConfig, run: RunInfo) -> Listeners:
+def listeners_for(run_config: RunConfig, run: RunInfo, extra: Sequence[Callback] = ()) -> Listeners:
     """The listeners of a run: lockstep's log lines, the progress line (unless ``verbose=0``),
-    ``run_config.stop`` and ``run_config.callbacks``. Where the progress line is live (a terminal), it is the account of
+    ``run_config.stop``, the driver's ``extra`` built-in listeners (e.g. the metrics exporter)
+    and ``run_config.callbacks``. Where the progress line is live (a terminal), it is the account of
     each report, so the per-report log lines go to DEBUG instead of onto the console."""
     progress = ProgressCallback(run.name, run.world_size) if run_config.verbose != 0 else None
     report_level = logging.DEBUG if progress is not None and progress.live else logging.INFO
     builtin: list[Callback] = [LogLines(report_level), *([progress] if progress is not None else [])]
     if run_config.stop is not None:
         builtin.append(StopCondition(run_config.stop))
-    return Listeners(run, run_config.callbacks, builtin)
+    return Listeners(run, run_config.callbacks, [*builtin, *extra])

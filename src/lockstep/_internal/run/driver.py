@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from lockstep._internal.output.listeners import listeners_for
+from lockstep._internal.output.metrics_export import MetricsExporter, start_exporter
 from lockstep._internal.output.worker_output import ConsoleMode
 from lockstep._internal.persist.storage import RunStorage, check_storage_path, storage_errors
 from lockstep._internal.run.controller import Controller
+from lockstep._internal.run.group_tap import roster_of, tapped
 from lockstep._internal.run.preemption import Preemption, driver_signals
 from lockstep._internal.run.run_record import RunRecorder
+from lockstep._internal.run.upkeep import RunUpkeep
 from lockstep._internal.run.worker_group import GroupFactory
 from lockstep.callbacks import RunInfo
 from lockstep.config import DEFAULT_STORAGE_PATH, RunConfig, ScalingConfig
@@ -39,15 +43,23 @@ class RunDriver:
         scaling: The run's workers (as the executor runs them: see ``Executor.run_scaling``).
         has_resume_checkpoint: Whether the trainer got a ``resume_from_checkpoint`` (the ranks
             start from it while the run has no checkpoint of its own).
+        config: The run's configuration as its record keeps it (see
+            :mod:`lockstep._internal.run.config_record`).
     """
 
     def __init__(
-        self, storage: RunStorage, run_config: RunConfig, scaling: ScalingConfig, has_resume_checkpoint: bool
+        self,
+        storage: RunStorage,
+        run_config: RunConfig,
+        scaling: ScalingConfig,
+        has_resume_checkpoint: bool,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.storage = storage
         self.run_config = run_config
         self.scaling = scaling
         self.has_resume_checkpoint = has_resume_checkpoint
+        self.config = config
         self.log_dir = storage.local_log_dir()
         self.console: ConsoleMode = run_config.worker_output
 
@@ -59,13 +71,14 @@ class RunDriver:
             ValueError: the storage can't hold the run, or the run can't be continued.
         """
         storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)
-        with storage_errors(storage_path):
-            check_storage_path(storage_path, self.storage)
-            recorder = RunRecorder(
-                self.storage, self.run_config.checkpoint_config, self.scaling.max_workers, make_group.executor
-            )
-            recorder.check_resumable()
-            recorder.open()
+        preemption = Preemption(self.run_config.failure_config.preemption_grace_s)
+        exporter = start_exporter(self.run_config, self.storage.name, lambda: preemption.notices)
+        try:
+            recorder = self._open_record(storage_path, make_group.executor, exporter)
+        except BaseException:
+            if exporter is not None:
+                exporter.release()
+            raise
         logger.info(
             "Run %s: %s workers (%s executor), results in %s",
             self.storage.name,
@@ -75,20 +88,35 @@ class RunDriver:
         )
         run_info = RunInfo(self.storage.name, self.storage.display_path, self.scaling.max_workers, self.log_dir)
         failure_config = self.run_config.failure_config
+        observers = [roster_of(recorder), *([exporter.observe] if exporter is not None else [])]
         return Controller(
-            make_group=make_group,
+            make_group=tapped(make_group, observers),
             recorder=recorder,
             max_failures=failure_config.max_failures if restarts else 0,
             has_resume_checkpoint=self.has_resume_checkpoint,
             report_timeout_s=failure_config.report_timeout_s,
-            listeners=listeners_for(self.run_config, run_info),
-            preemption=Preemption(failure_config.preemption_grace_s),
+            listeners=listeners_for(self.run_config, run_info, [exporter] if exporter is not None else []),
+            preemption=preemption,
         )
 
+    def _open_record(self, storage_path: str, executor: str, exporter: MetricsExporter | None) -> RunRecorder:
+        """Check the storage, and open the run record (marked running, with its config and metrics URL)."""
+        with storage_errors(storage_path):
+            check_storage_path(storage_path, self.storage)
+            recorder = RunRecorder(self.storage, self.run_config.checkpoint_config, self.scaling.max_workers, executor)
+            recorder.check_resumable()
+            recorder.open({"config": self.config, "metrics_url": exporter.url if exporter is not None else None})
+        return recorder
+
     def drive(self, controller: Controller) -> Result:
-        """Run ``controller`` to the end of the run; the logs go to storage either way."""
+        """Run ``controller`` to the end of the run, its record beating and (on remote storage) its
+        logs copied to storage as it goes (see :mod:`lockstep._internal.run.upkeep`); the logs go
+        to storage at the end either way."""
         try:
-            with driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))):
+            with (
+                driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))),
+                RunUpkeep(controller.recorder, self.log_dir),
+            ):
                 return controller.run()
         finally:
             self.storage.upload_logs(self.log_dir)

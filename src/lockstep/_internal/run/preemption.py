@@ -66,6 +66,7 @@ class Preemption:
         self.finishing = False
         self.hung_up: str | None = None
         self.cause = "SIGTERM"
+        self.notices = 0  # every notice, the driver's and the ranks' (the metrics count them)
 
     @property
     def noticed(self) -> bool:
@@ -77,6 +78,7 @@ class Preemption:
     ) -> None:
         """``ranks`` on ``host`` got a notice (``urgent``: a second one, stop at once) for
         ``cause``; a ``deadline_ms`` (epoch ms) sooner than the grace shortens it."""
+        self.notices += 1
         if self.deadline is None:
             grace_s = self.grace_s
             if deadline_ms:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -22,6 +23,10 @@ from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
 
+#: The record is rewritten at least this often while the run goes on (its ``heartbeat_at``), so
+#: that a reader on any host can tell a running run from one whose driver is gone.
+HEARTBEAT_INTERVAL_S = 30.0
+
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -35,7 +40,10 @@ class RunRecorder:
     that names the new checkpoint replaces the old one, and only then are checkpoints beyond
     ``num_to_keep`` deleted.
 
-    Creating a recorder only reads storage; :meth:`open` is the first write.
+    Creating a recorder only reads storage; :meth:`open` is the first write. Every write stamps
+    ``heartbeat_at``; :meth:`beat`, called from the driver's upkeep thread, rewrites the record
+    when nothing else did for :data:`HEARTBEAT_INTERVAL_S` (writes are serialized by a lock, so a
+    beat never puts back an older record).
     """
 
     def __init__(
@@ -50,6 +58,8 @@ class RunRecorder:
         self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
         self.checkpoints = [CheckpointEntry(**entry) for entry in self.record.get("checkpoints", [])]
         self._log = storage.open_report_log([json.dumps(report) for report in self.reports])
+        self._write_lock = threading.Lock()
+        self._last_write = 0.0
         # per-rank step times stay in reports.jsonl; in memory only the slow-rank rule's reading of them
         self.slow_ranks = SlowRankWatch()
         timed = [report.pop("step_times") for report in self.reports if report.get("step_times")]
@@ -70,8 +80,9 @@ class RunRecorder:
                 "RunConfig.name, or delete the run folder)."
             )
 
-    def open(self) -> None:
-        """Create the run folder (or continue the earlier run found there) and mark it running."""
+    def open(self, run_fields: dict[str, Any] | None = None) -> None:
+        """Create the run folder (or continue the earlier run found there) and mark it running,
+        with ``run_fields`` (e.g. ``config``, ``metrics_url``) added to the record."""
         if self._earlier is not None:
             resumed_from = self.checkpoints[-1].dir_name if self.checkpoints else "no checkpoint"
             logger.info(
@@ -89,11 +100,24 @@ class RunRecorder:
             executor=self.executor,
             error=None,
             driver={"host": socket.gethostname(), "pid": os.getpid()},
+            ranks={},
+            **(run_fields or {}),
         )
         self._write_record()
         removed = self.storage.delete_unfinished_checkpoints({entry.dir_name for entry in self.checkpoints})
         if removed:
             logger.info("Removed unfinished checkpoint folders of an earlier attempt: %s", ", ".join(removed))
+
+    def note_rank(self, rank: int, host: str, pid: int) -> None:
+        """Where ``rank`` of the current worker group runs (written with the next record write)."""
+        self.record["ranks"] = {**self.record.get("ranks", {}), str(rank): {"host": host, "pid": pid}}
+
+    def beat(self) -> None:
+        """Rewrite the record of a running run that was not written for :data:`HEARTBEAT_INTERVAL_S`."""
+        with self._write_lock:
+            if self.record.get("status") != "running" or time.monotonic() - self._last_write < HEARTBEAT_INTERVAL_S:
+                return
+            self._stamp_and_write()
 
     def set_world_size(self, world_size: int) -> None:
         """The number of workers of the coming attempt (it can change in an elastic run)."""
@@ -193,7 +217,15 @@ class RunRecorder:
             latest_checkpoint=self.checkpoints[-1].dir_name if self.checkpoints else None,
             best_checkpoints=[entry.dir_name for entry in best_checkpoints(self.checkpoints, self.checkpoint_config)],
         )
-        self.storage.write_record(self.record)
+        with self._write_lock:
+            self._stamp_and_write()
+
+    def _stamp_and_write(self) -> None:
+        """Write the record with this moment as its heartbeat (the caller holds the write lock)."""
+        self.record.update(heartbeat_at=time.time(), heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+        # a copy: a beat's write iterates it while the controller's thread may add a key to the record
+        self.storage.write_record(dict(self.record))
+        self._last_write = time.monotonic()
 
     def result(self, return_value: Any = None) -> Result:
         """The Result of the run as recorded."""

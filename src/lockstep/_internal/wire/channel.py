@@ -5,8 +5,8 @@ only its own credential, ``HMAC-SHA256(secret, "lockstep rank <r>")`` (:func:`ra
 so a rank can prove that it is itself and nothing else. Opening a channel takes three messages,
 each a frame of :mod:`lockstep._internal.wire.frames`:
 
-1. the worker sends a ``Hello``: its rank, its pid and a fresh random nonce (unauthenticated,
-   at most :data:`HELLO_MAX_BYTES`);
+1. the worker sends a ``Hello``: its rank, its pid, its host name and a fresh random nonce
+   (unauthenticated, at most :data:`HELLO_MAX_BYTES`);
 2. the driver refuses a rank outside ``0 .. world_size - 1`` and a rank that has connected to
    this group already (it closes the connection, having sent nothing); otherwise it answers
    with a ``Challenge``: a nonce of its own and its proof, an HMAC of both nonces under the
@@ -259,7 +259,7 @@ def _prove_rank(connection: Connection, rank: int, credential: bytes) -> None:
         EOFError, OSError: the driver closed the connection (it refused this rank).
     """
     worker_nonce = secrets.token_bytes(NONCE_BYTES)
-    connection.send_bytes(codec.encode(protocol.Hello(rank, os.getpid(), worker_nonce.hex())))
+    connection.send_bytes(codec.encode(protocol.Hello(rank, os.getpid(), socket.gethostname(), worker_nonce.hex())))
     challenge = codec.decode(connection.recv_bytes(HELLO_MAX_BYTES))
     if not isinstance(challenge, protocol.Challenge):
         raise ValueError(f"the driver sent a {type(challenge).__name__} instead of a Challenge")

@@ -38,11 +38,13 @@ from lockstep.errors import WorkerFailure
 
 @dataclass(frozen=True)
 class Hello:
-    """First message of a worker, before it proves its credential: its rank, its process id and
-    a fresh random ``nonce`` (hex) that the driver's proof must cover."""
+    """First message of a worker, before it proves its credential: its rank, its process id, its
+    host name (as the worker reads it; shown in the run record's ``ranks``, never trusted) and a
+    fresh random ``nonce`` (hex) that the driver's proof must cover."""
 
     rank: int
     pid: int
+    host: str = ""
     nonce: str = ""
 
 
