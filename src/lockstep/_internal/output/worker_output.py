@@ -23,6 +23,7 @@ from typing import IO, Literal
 
 from lockstep._internal.output.pipe_reader import PipeReader
 from lockstep._internal.output.progress import around_output
+from lockstep._internal.rank_spans import rank_span
 
 ConsoleMode = Literal["rank0", "all", "none"]
 CONSOLE_MODES: tuple[ConsoleMode, ...] = ("rank0", "all", "none")
@@ -314,17 +315,9 @@ class MergingConsole:
 
 def rank_tag(ranks: set[int]) -> bytes:
     """``[rank 2] `` or ``[ranks 0-3,5] ``: the console prefix of a line ``ranks`` printed."""
-    ordered = sorted(ranks)
-    if len(ordered) == 1:
-        return f"[rank {ordered[0]}] ".encode()
-    spans: list[list[int]] = []
-    for rank in ordered:
-        if spans and spans[-1][1] == rank - 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    text = ",".join(f"{first}-{last}" if last > first else f"{first}" for first, last in spans)
-    return f"[ranks {text}] ".encode()
+    if len(ranks) == 1:
+        return f"[rank {next(iter(ranks))}] ".encode()
+    return f"[ranks {rank_span(ranks, separator=',')}] ".encode()
 
 
 def _shown_on(show: Show, is_stderr: bool) -> Callable[[bytes], None]:

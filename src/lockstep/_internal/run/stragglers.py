@@ -204,12 +204,37 @@ def rank_table(reports: Sequence[Mapping[str, Any]]) -> list[str]:
     recent = recent_times(reports)
     if not recent:
         return []
+    shares = rank_shares(recent)
+    slow = slowest_rank(recent)
     rows: list[tuple[str, ...]] = [("RANK", "DATA", "COLLECTIVE", "REPORT WAIT", "COMPUTE", "TIME/REPORT")]
-    for rank, shares in rank_shares(recent).items():
-        rows.append((str(rank), *(f"{shares[part]:.0%}" for part in PARTS), f"{shares['step_s']:.3f}s"))
+    rows += _folded_rows(shares, slow) if len(shares) > TABLE_RANKS else [_row(str(r), s) for r, s in shares.items()]
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = [f"time per rank, last {len(recent)} reports (shares of the time between reports):"]
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
-    slow = slowest_rank(recent)
     lines.append(f"slowest: {slow.describe()}" if slow else "slowest: none (the ranks are balanced)")
     return lines
+
+
+#: More ranks than this: ``lockstep show`` folds its table into summary rows.
+TABLE_RANKS = 16
+
+
+def _row(label: str, shares: Mapping[str, float]) -> tuple[str, ...]:
+    return (label, *(f"{shares[part]:.0%}" for part in PARTS), f"{shares['step_s']:.3f}s")
+
+
+def _folded_rows(shares: Mapping[int, Mapping[str, float]], slow: SlowRank | None) -> list[tuple[str, ...]]:
+    """The table of many ranks in a few rows: the median, lowest and highest of each column over
+    all ranks, then the ranks that stand out (the slowest, and the rank with the most time of its
+    own, busy = data + compute)."""
+    columns = [*PARTS, "step_s"]
+    values = {column: sorted(rank_values[column] for rank_values in shares.values()) for column in columns}
+    rows = [
+        _row(f"median of {len(shares)}", {column: statistics.median(values[column]) for column in columns}),
+        _row("lowest", {column: values[column][0] for column in columns}),
+        _row("highest", {column: values[column][-1] for column in columns}),
+    ]
+    busiest = max(shares, key=lambda rank: shares[rank]["data"] + shares[rank]["compute"])
+    standing_out = dict.fromkeys([*([slow.rank] if slow else []), busiest])
+    rows += [_row(f"rank {rank}", shares[rank]) for rank in standing_out if rank in shares]
+    return rows
