@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter_ns
 from typing import Any
@@ -37,9 +37,14 @@ STEP_TIMES_KEPT = 20
 
 
 class RankProgress:
-    """The progress counters of this process's rank (see the module's docstring)."""
+    """The progress counters of this process's rank (see the module's docstring).
 
-    def __init__(self) -> None:
+    Args:
+        clock: Nanoseconds, monotonic (``time.perf_counter_ns``; a test may pass its own).
+    """
+
+    def __init__(self, clock: Callable[[], int] = perf_counter_ns) -> None:
+        self.clock = clock
         self.work = 0
         self.steps = 0
         self.train_thread: int | None = None
@@ -61,7 +66,7 @@ class RankProgress:
 
     def step_done(self, *_: Any) -> None:
         """A training step ended (usable as torch's optimizer step post-hook)."""
-        now = perf_counter_ns()
+        now = self.clock()
         if self._last_step_ns is not None:
             self._step_ns.append(now - self._last_step_ns)
         self._last_step_ns = now

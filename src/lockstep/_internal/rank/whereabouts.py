@@ -22,8 +22,14 @@ __all__ = ["collective_in_flight", "default_flight_recorder", "python_stacks"]
 FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 #: The flight recorder's entries per process when lockstep turns it on.
 FLIGHT_RECORDER_ENTRIES = 100
-#: Frames of lockstep's rank runtime and of socket reads are plumbing, not the user's code.
-PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connection.py", "/threading.py")
+#: Frames of lockstep (its public calls too: ``fit()`` under torchrun, ``report()``), of socket
+#: reads and of thread start-up are plumbing, not the user's code.
+PLUMBING = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+    "<frozen runpy>",
+    "/multiprocessing/connection.py",
+    "in _bootstrap",
+)
 _LIBRARY_PATHS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], "site-packages"})
 
 
