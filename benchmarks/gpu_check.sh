@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared script for a lent GPU machine (the `device` tool), which has
 # python3 with torch, torchvision, cloudpickle, pandas, fsspec and pytest, and no network:
-# lockstep is used from src/ as it is. Runs the GPU tests, then seed 000's ResNet18 images/s
+# lockstep is used from src/ as it is. Runs the GPU tests (with 2 GPUs also FSDP and the hang
+# detector's NCCLHangError naming the NCCL collective), then seed 000's ResNet18 images/s
 # (lockstep vs plain PyTorch). Meant to finish in under 8 minutes. Results go to $OUT when set.
 #
 #   bash benchmarks/gpu_check.sh

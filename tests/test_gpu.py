@@ -74,3 +74,21 @@ def test_fsdp_on_two_gpus_fsdp2_and_ray_trains_fsdp1_arguments(tmp_path, kwargs:
                           scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
                           run_config=RunConfig(storage_path=str(tmp_path))).fit()
     assert result.metrics["kind"] == kind
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_hang_around_an_nccl_collective_is_an_nccl_hang_error_naming_it(tmp_path) -> None:
+    """Written without a GPU to run it on (see docs/failures.md): rank 1 stops in its data loop
+    while rank 0's NCCL all-reduce waits for it; the flight recorder names the collective."""
+    from test_hangs import train_steps
+
+    trainer = TorchTrainer(train_steps, train_loop_config={"steps": 10_000, "stuck_rank": 1, "stuck_at": 20,
+                                                           "marker": str(tmp_path / "stuck_since")},
+                           scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+                           run_config=RunConfig(storage_path=str(tmp_path),
+                                                failure_config=lockstep.FailureConfig(hang_timeout_s=5)))
+    with pytest.raises(lockstep.NCCLHangError) as raised:
+        trainer.fit()
+    assert list(raised.value.failures) == [1] and raised.value.failures[1].error_type == "Hang"
+    assert "(waiting in torch collective nccl:all_reduce #" in str(raised.value)

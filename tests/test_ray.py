@@ -177,6 +177,30 @@ def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
 
 @ray_test
 @pytest.mark.timeout(120)
+def test_a_hung_rank_is_named_with_where_every_rank_is(storage_path: str, tmp_path: Path) -> None:
+    from test_hangs import train_steps
+
+    trainer = TorchTrainer(train_steps, scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+                           train_loop_config={"steps": 10_000, "stuck_rank": 1, "stuck_at": 20,
+                                              "marker": str(tmp_path / "stuck_since")},
+                           run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(hang_timeout_s=2)))
+    with pytest.raises(lockstep.WorkerGroupError) as failure:
+        trainer.fit()
+    named_after_s = time.time() - float((tmp_path / "stuck_since").read_text())
+    assert list(failure.value.failures) == [1] and failure.value.failures[1].error_type == "Hang"
+    message = str(failure.value)
+    assert "this rank is in no collective while rank 0 waits in gloo:all_reduce #" in message
+    stack_of_0 = message.split("rank 0 was still running, here:\n")[1].split("\n\nrank 1 was")[0]
+    stack_of_1 = message.split("rank 1 was still running, here:\n")[1]
+    assert stack_of_0.startswith("(waiting in torch collective gloo:all_reduce #") and "in backward" in stack_of_0
+    assert "in train_steps" in stack_of_1 and "threading.Event().wait()" in stack_of_1
+    # 2 s without progress, up to 3 s for the ranks to say where they are, up to 5 s for the actors'
+    # stacks, and the time to stop the actors
+    assert named_after_s < 2 + 3 + 5 + 5, f"named {named_after_s:.1f} s after rank 1 stopped"
+
+
+@ray_test
+@pytest.mark.timeout(120)
 def test_the_driver_refuses_connections_without_the_secret(storage_path: str) -> None:
     result = fit_on_ray(rogue_train_func, storage_path, num_workers=2, placement_strategy="SPREAD")
     assert result.metrics["outcomes"] == ["refused", "refused"]

@@ -281,3 +281,22 @@ def test_under_torchrun_a_restarted_group_continues_the_run(tmp_path: Path) -> N
     assert ranks[0]["checkpoint_files"] == {"rank0.txt": "3", "rank1.txt": "3"}
     history = [json.loads(line)["metrics"]["step"] for line in (tmp_path / "torchrun" / "reports.jsonl").read_text().splitlines()]
     assert history == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_a_hung_rank_is_named_with_where_every_rank_is(tmp_path: Path) -> None:
+    completed = torchrun("--max-restarts=0", JOB, str(tmp_path), "--hang")
+    assert completed.returncode != 0
+    record = json.loads((tmp_path / "torchrun" / "lockstep_run.json").read_text())
+    assert record["status"] == "failed"
+    # rank 0's fit() raises the run's error (torchrun shows its stderr, each line headed "[rank0]: ")
+    stderr = "\n".join(line.removeprefix("[rank0]: ") for line in completed.stderr.splitlines())
+    error = stderr[stderr.index("Training failed on rank 1"):]
+    assert "rank 1: Hang: no rank has made progress for" in error
+    assert "this rank is in no collective while rank 0 waits in report #2" in error
+    # the stacks come from the ranks themselves (torchrun's processes can't be signalled from rank 0)
+    stack_of_0 = error.split("rank 0 was still running, here:\n")[1].split("\n\nrank 1 was")[0]
+    stack_of_1 = error.split("rank 1 was still running, here:\n")[1]
+    assert stack_of_0.startswith("Thread MainThread (most recent call last):") and "lockstep.report(" in stack_of_0
+    assert stack_of_1.startswith("Thread MainThread (most recent call last):")
+    assert "in train_func" in stack_of_1 and "in wait" in stack_of_1

@@ -128,6 +128,11 @@ class ScalingConfig:
 #: How long a run goes on after a preemption notice to reach its next checkpoint (fits
 #: Kubernetes' default 30 s grace period).
 DEFAULT_PREEMPTION_GRACE_S = 25.0
+#: The hang detector's defaults (see ``FailureConfig``): a hang is named after max(60 s, 10 x the
+#: median recent step time) without progress, or 600 s before the first step.
+DEFAULT_HANG_TIMEOUT_S = 60.0
+DEFAULT_HANG_STEP_MULTIPLE = 10.0
+DEFAULT_HANG_FIRST_STEP_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -151,6 +156,17 @@ class FailureConfig:
             compatibility: in lockstep a preemption ends ``fit()`` with a PreemptionError (the
             machine is going away); running the same command again continues the run, and a
             preemption never counts against ``max_failures``.
+        hang_timeout_s: The hang detector (a lockstep addition, see the Failures guide): once
+            the run has completed training steps, when no rank has made progress (no training
+            step, no report, no collective) for max(``hang_timeout_s``, ``hang_step_multiple``
+            x the median recent step time), the ranks that stopped are named, with where every
+            rank is, and the attempt fails as any failure does (restarting per ``max_failures``).
+            ``None`` turns the detector off. Default 60 s.
+        hang_step_multiple: How many median step times of no progress make a hang, when that
+            is longer than ``hang_timeout_s``. Default 10.
+        hang_first_step_timeout_s: The same before the first training step of an attempt has
+            completed (start-up, compilation and warm-up take unknown time). ``None``: no hang
+            is named before the first step. Default 600 s.
     """
 
     max_failures: int = 0
@@ -158,9 +174,13 @@ class FailureConfig:
     fail_fast: bool | str = False
     preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S
     max_preemption_failures: int = -1
+    hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S
+    hang_step_multiple: float = DEFAULT_HANG_STEP_MULTIPLE
+    hang_first_step_timeout_s: float | None = DEFAULT_HANG_FIRST_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         config_checks.check_fail_fast(self.fail_fast, self.max_failures)
+        config_checks.check_hang_settings(self.hang_timeout_s, self.hang_step_multiple, self.hang_first_step_timeout_s)
         if (
             isinstance(self.preemption_grace_s, bool)
             or not isinstance(self.preemption_grace_s, (int, float))

@@ -58,7 +58,9 @@ class WorkerFailure:
             others waited in ``report()``), ``"ReportTimeout"`` (the rank did not reach a
             ``report()`` the others waited in within ``FailureConfig.report_timeout_s``),
             ``"CheckpointUploadError"`` (the rank's ASYNC checkpoint upload failed),
-            ``"ChannelViolation"`` (the rank's channel carried a message claiming another rank).
+            ``"ChannelViolation"`` (the rank's channel carried a message claiming another rank),
+            ``"Hang"`` (the rank stopped making progress while others waited, past the hang
+            threshold of ``FailureConfig``).
         message: The exception's message, or how the process ended.
         traceback: The worker's formatted traceback (empty when the process died without one).
     """
@@ -249,9 +251,11 @@ class HangUp(BaseException):
 
 
 class NCCLHangError(WorkerGroupError):
-    """A hung NCCL collective, as Ray Train names it. lockstep does not raise it today: a rank
-    stuck in a collective shows up as a :class:`WorkerGroupError` whose failure is a
-    ``ReportTimeout``, with the stack of every rank still running."""
+    """A hang around an NCCL collective, as Ray Train names it: the hang detector found that no
+    rank made progress for ``FailureConfig``'s hang threshold, and a rank waits in an NCCL
+    collective (torch's flight recorder names it). Its ``failures`` are the stuck ranks (error
+    type ``"Hang"``). A hang on gloo is a plain :class:`WorkerGroupError` with the same failures.
+    (A GPU-only path, not yet run on GPUs.)"""
 
 
 class ControllerError(TrainingFailedError):

@@ -231,3 +231,21 @@ def check_metrics_port(port: Any, where: str) -> None:
             f"{where} must be a TCP port number (1-65535), 0 for a free port, or None to leave the metrics "
             f"off; got {port!r}."
         )
+
+
+def check_hang_settings(timeout_s: Any, step_multiple: Any, first_step_timeout_s: Any) -> None:
+    """``FailureConfig``'s hang detector settings: seconds > 0 (or None: off), a multiple >= 1."""
+    for name, value in (("hang_timeout_s", timeout_s), ("hang_first_step_timeout_s", first_step_timeout_s)):
+        if value is not None and not _positive_number(value):
+            raise ValueError(
+                f"FailureConfig.{name} must be a number of seconds > 0, or None to turn it off; got {value!r}."
+            )
+    if not _positive_number(step_multiple) or step_multiple < 1:
+        raise ValueError(
+            f"FailureConfig.hang_step_multiple must be a number >= 1 (how many median step times without "
+            f"progress make a hang); got {step_multiple!r}."
+        )
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from lockstep._internal.rank.progress import count_forward
 from lockstep._internal.rank.session_state import current_session
 from lockstep._internal.rank.step_timing import timed_batches, with_all_reduce_timing
 from lockstep._internal.rank.torch_devices import _map_tensors, get_device, get_devices, move_to_device
@@ -85,12 +86,17 @@ def prepare_model(
 
 
 def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """The model wrapped for ``strategy``; each of its forward passes counts as the rank's
+    progress (for the hang detector)."""
     if strategy == "ddp":
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device])
             kwargs.setdefault("output_device", device)
-        return with_all_reduce_timing(DistributedDataParallel(model, **kwargs))
-    return shard_model(model, device, kwargs)
+        wrapped = with_all_reduce_timing(DistributedDataParallel(model, **kwargs))
+    else:
+        wrapped = shard_model(model, device, kwargs)
+    wrapped.register_forward_pre_hook(count_forward)
+    return wrapped
 
 
 # -- data loader ---------------------------------------------------------------------------------

@@ -32,14 +32,17 @@ def drive_beside_rank_0(
     announce: Callable[[BaseException | None], None] | None = None,
     prepared: Callable[[Controller], None] | None = None,
     failed_to_prepare: Callable[[BaseException], None] | None = None,
+    watch_hangs: bool = True,
 ) -> tuple[T, ControllerThread]:
     """Prepare ``driver``'s controller for ``group`` (``prepared`` runs next, as part of it; on a
     failure of either the group stops, ``failed_to_prepare`` hears of it, and it is raised), then
     drive the run on a :class:`ControllerThread` (with ``announce``) while this thread runs
-    ``run_rank(controller)``; return what ``run_rank`` returned and the joined thread."""
+    ``run_rank(controller)``; return what ``run_rank`` returned and the joined thread. The
+    controller watches for hangs unless not ``watch_hangs``."""
     size = group.listener.world_size
     try:
-        controller = driver.prepare(GroupFactory(executor, lambda _: group, size, size), restarts=False)
+        factory = GroupFactory(executor, lambda _: group, size, size)
+        controller = driver.prepare(factory, restarts=False, watch_hangs=watch_hangs)
         if prepared is not None:
             prepared(controller)
     except BaseException as error:

@@ -237,8 +237,16 @@ PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connecti
 
 
 def _without_plumbing(stack: str) -> str:
-    """A faulthandler dump without the frames of lockstep's worker runtime and socket reads."""
-    return "\n".join(line for line in stack.splitlines() if not any(part in line for part in PLUMBING))
+    """A faulthandler dump without the frames of lockstep's worker runtime and socket reads, and
+    without the threads that have no other frames than those and ``threading.py``'s (lockstep's
+    own threads, idle)."""
+    blocks = []
+    for block in stack.split("\n\n"):
+        lines = [line for line in block.splitlines() if not any(part in line for part in PLUMBING)]
+        frames = [line for line in lines if line.lstrip().startswith("File ")]
+        if any("/threading.py" not in line for line in frames) or "File " not in block:
+            blocks.append("\n".join(lines))
+    return "\n\n".join(block for block in blocks if block)
 
 
 def _read_if_any(path: str) -> str:

@@ -15,6 +15,8 @@ What differs from a run with workers:
 - No restarts: a failure of the train function ends the run (``FailureConfig.max_failures``
   does not apply), since a restart in the same process would inherit whatever state the
   failure left behind.
+- No hang detector (``FailureConfig.hang_timeout_s`` does not apply): a train function
+  stopped at a breakpoint is not hung.
 - The device is the current CUDA device with ``use_gpu=True``, else the CPU.
 - Ray Datasets are handed over whole (one iterator each), as the only rank's shard.
 """
@@ -88,9 +90,14 @@ class LocalModeExecutor(Executor):
                 "FailureConfig.max_failures is not used."
             )
         group = AttachedGroup(LOOPBACK, 1, "the train function's channel closed before it finished")
-        # no process group here, so nothing can get stuck: no announce
+        # no process group here, so nothing can get stuck: no announce; and no hang detector: a
+        # breakpoint in the train function is no hang
         interrupted, thread = drive_beside_rank_0(
-            driver, self.name, group, lambda controller: self._run_rank(job, group, controller.preemption)
+            driver,
+            self.name,
+            group,
+            lambda controller: self._run_rank(job, group, controller.preemption),
+            watch_hangs=False,
         )
         if interrupted is not None:
             raise interrupted

@@ -1,6 +1,8 @@
 """How a rank's reported checkpoint reaches storage: copied into its folder in the run, or handed
 to the user's ``checkpoint_upload_fn``; at once (SYNC) or on a background thread (ASYNC); and,
-with ``delete_local_checkpoint_after_upload``, the local folder removed afterwards.
+with ``delete_local_checkpoint_after_upload``, the local folder removed afterwards. An upload
+counts as the rank's progress for as long as it takes (``PROGRESS.making_progress()``), so the
+hang detector never names a rank that is uploading.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from lockstep._internal.persist.filesystems import is_local
 from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
+from lockstep._internal.rank.progress import PROGRESS
 from lockstep._internal.wire import protocol
 from lockstep._internal.wire.channel import WorkerChannel
 from lockstep.checkpoint import Checkpoint
@@ -147,7 +150,8 @@ class CheckpointUploader:
             index, job, staged = item
             error = external = None
             try:
-                external = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
+                with PROGRESS.making_progress():
+                    external = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
             except Exception as failure:  # noqa: BLE001 - the driver must hear of every failed upload
                 error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, OSError) else str(failure)
             finally:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, TypeVar
 
+from lockstep._internal.rank.progress import PROGRESS
+
 T = TypeVar("T")
 
 
@@ -87,8 +89,10 @@ CLOCK = StepClock()
 
 
 def timed_batches(batches: Iterator[T], clock: StepClock = CLOCK) -> Iterator[T]:
-    """``batches``, adding the time each ``next()`` takes to the clock's data wait."""
+    """``batches``, adding the time each ``next()`` takes to the clock's data wait (and each
+    batch to the rank's progress)."""
     clock_now = perf_counter_ns
+    progress = PROGRESS
     while True:
         started = clock_now()
         try:
@@ -97,6 +101,7 @@ def timed_batches(batches: Iterator[T], clock: StepClock = CLOCK) -> Iterator[T]
             clock.data_ns += clock_now() - started
             return
         clock.data_ns += clock_now() - started
+        progress.work += 1
         yield batch
 
 

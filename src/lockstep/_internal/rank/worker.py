@@ -127,6 +127,7 @@ def run_rank(
     """
     import torch
 
+    from lockstep._internal.rank.progress_sender import progress_reported
     from lockstep._internal.rank.session_state import set_session
     from lockstep._internal.rank.train_context import TrainContext
     from lockstep._internal.rank.worker_session import WorkerSession
@@ -162,12 +163,13 @@ def run_rank(
     )
     set_session(session)
     os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces
-    job.backend_config.on_worker_start(context, job.use_gpu)
-    try:
-        value = call_train_fn(job.train_fn, job.train_loop_config)
-        session.wait_for_uploads()
-    finally:
-        job.backend_config.on_worker_shutdown()
+    with progress_reported(channel, context.world_rank, start.progress_every_s, session.calls):
+        job.backend_config.on_worker_start(context, job.use_gpu)
+        try:
+            value = call_train_fn(job.train_fn, job.train_loop_config)
+            session.wait_for_uploads()
+        finally:
+            job.backend_config.on_worker_shutdown()
     return value
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -19,6 +20,8 @@ from lockstep._internal.rank.checkpoint_upload import (
     delete_local,
     upload,
 )
+from lockstep._internal.rank.progress import PROGRESS
+from lockstep._internal.rank.progress_sender import where_i_am
 from lockstep._internal.rank.step_timing import CLOCK
 from lockstep._internal.rank.train_context import CheckpointUploadMode, TrainContext
 from lockstep._internal.wire import protocol
@@ -32,7 +35,12 @@ T = TypeVar("T")
 
 
 class WorkerSession:
-    """One rank's link to the driver while its train function runs."""
+    """One rank's link to the driver while its train function runs.
+
+    Attributes:
+        calls: Held from sending a call to the driver until its answer came (the rank's
+            progress thread reads the channel only while nobody holds it).
+    """
 
     def __init__(
         self,
@@ -53,6 +61,7 @@ class WorkerSession:
         self._uploader: CheckpointUploader | None = None
         self._next_collective_seq = 0
         self.preemption_info: PreemptionInfo | None = None
+        self.calls = threading.Lock()
         CLOCK.restart()
 
     def report(
@@ -66,6 +75,7 @@ class WorkerSession:
     ) -> None:
         """Send one report and wait until every rank has sent it and it is recorded."""
         metrics_json = encode_metrics(metrics)
+        PROGRESS.mark()
         index = self._next_report_index
         message = protocol.Report(
             self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None
@@ -76,9 +86,8 @@ class WorkerSession:
             message = dataclasses.replace(
                 message, checkpoint_dir_name=job.dir_name, checkpoint_state=state, external_path=external
             )
-        self._channel.send(dataclasses.replace(message, step_times=CLOCK.close_window()))
         try:
-            done = self._answer(protocol.ReportDone)
+            done = self._call(dataclasses.replace(message, step_times=CLOCK.close_window()), protocol.ReportDone)
         finally:
             if self._uploader is not None:
                 self._uploader.start_staged()
@@ -106,22 +115,35 @@ class WorkerSession:
         if done.stop:
             raise PreemptionStop(f"the run stops after report #{done.index} (preempted)")
 
+    def _call(self, message: Any, kind: type[T]) -> T:
+        """Send ``message`` and wait for the driver's answer, a ``kind``."""
+        with self.calls:
+            self._channel.send(message)
+            return self._answer(kind)
+
     def _answer(self, kind: type[T]) -> T:
-        """The driver's answer to the call just sent (calls and answers alternate). After a
-        preemption notice, a channel the driver closed means the run stopped (preempted)."""
+        """The driver's answer to the call just sent (calls and answers alternate; a
+        StacksWanted meanwhile is answered here). After a preemption notice, a channel the driver
+        closed means the run stopped (preempted)."""
+        answer = self._receive()
+        while isinstance(answer, protocol.StacksWanted):
+            self._channel.send(where_i_am(self.context.world_rank))
+            answer = self._receive()
+        if not isinstance(answer, kind):
+            raise RuntimeError(
+                f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)"
+            )
+        return answer
+
+    def _receive(self) -> Any:
         try:
-            answer = self._channel.recv()
+            return self._channel.recv()
         except (EOFError, OSError) as error:
             if self.preemption_info is None:
                 raise
             from lockstep._internal.run.preemption import PreemptionStop
 
             raise PreemptionStop("the driver stopped the run (preempted)") from error
-        if not isinstance(answer, kind):
-            raise RuntimeError(
-                f"the driver sent {type(answer).__name__} where a {kind.__name__} was due (a lockstep bug)"
-            )
-        return answer
 
     def _new_dir_name(self, checkpoint_dir_name: str | None, index: int) -> str:
         name = _checked_dir_name(checkpoint_dir_name, index)
@@ -137,11 +159,18 @@ class WorkerSession:
         self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
     ) -> tuple[str, str | None]:
         """Put this rank's checkpoint files where they belong; return (state, external path).
+        However long that takes, the rank is making progress (not hung).
 
         The local folder goes after a SYNC upload succeeded, and for ASYNC once it is staged
         (the upload reads lockstep's staged copy, and removing the folder later, from the
         background, could remove files a following report has written into the same folder).
         """
+        with PROGRESS.making_progress():
+            return self._persist_now(checkpoint, job, index, upload_mode)
+
+    def _persist_now(
+        self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
+    ) -> tuple[str, str | None]:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 f"report(checkpoint=...) takes a lockstep.Checkpoint, got {type(checkpoint).__name__}; "
@@ -195,8 +224,8 @@ class WorkerSession:
 
     def get_all_reported_checkpoints(self) -> list[ReportedCheckpoint]:
         """The run's kept checkpoints, once those of this rank's reports so far are committed."""
-        self._channel.send(protocol.CheckpointsQuery(self.context.world_rank, self._next_report_index))
-        answer = self._answer(protocol.ReportedCheckpoints)
+        query = protocol.CheckpointsQuery(self.context.world_rank, self._next_report_index)
+        answer = self._call(query, protocol.ReportedCheckpoints)
         storage = self.context.storage
         return [ReportedCheckpoint(storage.checkpoint_of(entry), dict(entry.metrics)) for entry in answer.checkpoints]
 
@@ -205,9 +234,9 @@ class WorkerSession:
         to enter it; return rank 0's ``data``."""
         seq = self._next_collective_seq
         self._next_collective_seq += 1
+        PROGRESS.mark()
         entered = time.perf_counter_ns()
-        self._channel.send(protocol.Collective(self.context.world_rank, seq, op, data))
-        answer = self._answer(protocol.CollectiveDone)
+        answer = self._call(protocol.Collective(self.context.world_rank, seq, op, data), protocol.CollectiveDone)
         CLOCK.collective_ns += time.perf_counter_ns() - entered
         return answer.data
 

@@ -65,7 +65,9 @@ RAY_TRAIN: dict[str, NameStatus] = {
     "CheckpointUploadMode": _provided("lockstep.CheckpointUploadMode"),
     "DataConfig": _provided("lockstep.DataConfig"),
     "FailureConfig": _provided(
-        "lockstep.FailureConfig", "fail_fast=True is accepted with max_failures=0; adds report_timeout_s"
+        "lockstep.FailureConfig",
+        "fail_fast=True is accepted with max_failures=0; adds report_timeout_s and the hang detector's "
+        "hang_timeout_s, hang_step_multiple, hang_first_step_timeout_s",
     ),
     "LoggingConfig": _provided("lockstep.LoggingConfig", "sets the level of the 'lockstep' logger in the driver"),
     "Result": _provided("lockstep.Result", "metrics is the last report, also without a checkpoint"),
@@ -90,7 +92,9 @@ RAY_TRAIN: dict[str, NameStatus] = {
     "ControllerError": _provided("lockstep.ControllerError"),
     "NCCLHangError": _provided(
         "lockstep.NCCLHangError",
-        "never raised: a stuck collective is a WorkerGroupError with a ReportTimeout failure and every rank's stack",
+        "raised by the hang detector when a rank of the hang waits in an NCCL collective (named by torch's flight "
+        "recorder), after max(60 s, 10 x the median step) rather than Ray's 600 s, with the stuck ranks as "
+        "worker_failures; a GPU-only path not yet run on GPUs",
     ),
     "ReportedCheckpoint": _provided("lockstep.ReportedCheckpoint"),
     "ReportedCheckpointStatus": _provided(

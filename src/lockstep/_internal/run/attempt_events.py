@@ -21,6 +21,7 @@ from lockstep._internal.run.checkpoint_commits import CheckpointCommits, agreed_
 from lockstep._internal.run.checkpoints import best_checkpoints
 from lockstep._internal.run.collectives import CollectiveBarrier
 from lockstep._internal.run.failures import AttemptOutcome
+from lockstep._internal.run.hang_watch import HangWatch
 from lockstep._internal.run.liveness import Liveness
 from lockstep._internal.run.preemption import HangUp, Preemption
 from lockstep._internal.run.report_barrier import ReportBarrier
@@ -31,6 +32,16 @@ from lockstep._internal.run.worker_group import GroupFactory, WorkerExited, Work
 from lockstep._internal.wire import protocol
 
 logger = logging.getLogger(__name__)
+
+#: Events that show a rank got something done (for the hang watch).
+PROGRESS_EVENTS = (
+    protocol.Hello,
+    protocol.Report,
+    protocol.Collective,
+    protocol.WritingCheckpoint,
+    protocol.CheckpointUploaded,
+    protocol.Finished,
+)
 
 
 @dataclass
@@ -46,6 +57,7 @@ class Attempt:
     latest_sent: CheckpointEntry | None = None
     return_value: Any = None
     stacks: dict[int, str] = field(default_factory=dict)
+    hangs: HangWatch | None = None
 
     @property
     def world_size(self) -> int:
@@ -85,6 +97,8 @@ class AttemptEvents:
             protocol.Finished: self._on_finished,
             protocol.Failed: self._on_failed,
             protocol.PreemptionNotice: self._on_notice,
+            protocol.Progress: self._on_progress,
+            protocol.Stacks: self._on_stacks,
             WorkerExited: self._on_exited,
         }
 
@@ -95,6 +109,16 @@ class AttemptEvents:
             handler(event, attempt, group)
         if attempt.queries:
             self._answer_queries(attempt, group)
+        if attempt.hangs is not None and type(event) in PROGRESS_EVENTS:
+            attempt.hangs.saw_progress()  # after handling: time the driver took is not the ranks'
+
+    def _on_progress(self, progress: protocol.Progress, attempt: Attempt, group: WorkerGroup) -> None:
+        if attempt.hangs is not None:
+            attempt.hangs.progress(progress)
+
+    def _on_stacks(self, stacks: protocol.Stacks, attempt: Attempt, group: WorkerGroup) -> None:
+        if attempt.hangs is not None:
+            attempt.hangs.answered(stacks)
 
     def _on_writing(self, writing: protocol.WritingCheckpoint, attempt: Attempt, group: WorkerGroup) -> None:
         attempt.commits.writing(writing.dir_name)
@@ -144,6 +168,8 @@ class AttemptEvents:
             attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished) or self._deadlock(attempt))
             return
         self._record(report.index, calls, attempt)
+        if attempt.hangs is not None:
+            attempt.hangs.report_done()
         latest = self.recorder.latest_entry()
         changed = latest if latest != attempt.latest_sent else None
         attempt.latest_sent = latest

@@ -25,6 +25,8 @@ from lockstep._internal.output.listeners import Listeners
 from lockstep._internal.run.attempt_events import Attempt, AttemptEvents
 from lockstep._internal.run.collectives import CollectiveBarrier
 from lockstep._internal.run.failures import AttemptOutcome
+from lockstep._internal.run.hang_diagnosis import hung_in_nccl, watch_for_hangs, with_whereabouts
+from lockstep._internal.run.hang_watch import HangRule, HangWatch
 from lockstep._internal.run.liveness import Liveness, RestartPolicy
 from lockstep._internal.run.preemption import HangUp, Preemption, PreemptionStop
 from lockstep._internal.run.report_barrier import ReportBarrier
@@ -34,7 +36,7 @@ from lockstep._internal.run.worker_group import GroupFactory
 from lockstep._internal.wire import protocol
 from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
 from lockstep.config import DEFAULT_PREEMPTION_GRACE_S
-from lockstep.errors import ControllerError, PreemptionError, TrainingFailedError, WorkerGroupError
+from lockstep.errors import ControllerError, NCCLHangError, PreemptionError, TrainingFailedError, WorkerGroupError
 from lockstep.result import Result
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class Controller:
         listeners: Who hears about the run (log lines, progress line, callbacks); none if omitted.
         preemption: Where preemption notices are kept; one with ``FailureConfig``'s default
             grace if omitted.
+        hang_rule: When ranks that make no progress are a hang (see
+            :mod:`lockstep._internal.run.hang_watch`); None: no hang detector.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Controller:
         report_timeout_s: float | None = None,
         listeners: Listeners | None = None,
         preemption: Preemption | None = None,
+        hang_rule: HangRule | None = None,
     ) -> None:
         self.make_group = make_group
         self.recorder = recorder
@@ -71,6 +76,7 @@ class Controller:
         self.has_resume_checkpoint = has_resume_checkpoint
         self.report_timeout_s = report_timeout_s
         self.preemption = preemption or Preemption(DEFAULT_PREEMPTION_GRACE_S)
+        self.hang_rule = hang_rule
         storage = recorder.storage
         listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
         self.listeners = listeners
@@ -157,7 +163,8 @@ class Controller:
 
     def _fail_or_go_on(self, attempt: Attempt) -> None:
         """Count the failed attempt; raise its error unless the policy allows a restart."""
-        error = WorkerGroupError.from_failures(attempt.liveness.failures, self._failure_context(), attempt.stacks)
+        kind = NCCLHangError if hung_in_nccl(attempt) else WorkerGroupError
+        error = kind.from_failures(attempt.liveness.failures, self._failure_context(), attempt.stacks)
         restarting = self.restart_policy.record(error)
         self.recorder.count_failure()
         self.listeners.on_failure(error, restarting)
@@ -197,6 +204,7 @@ class Controller:
             protocol.checkpoint_ref(latest),
             self.has_resume_checkpoint and latest is None,
             list(self.recorder.committed_dir_names),
+            progress_every_s=self.hang_rule.progress_every_s if self.hang_rule is not None else None,
         )
 
     def _failure_context(self) -> str:
@@ -212,20 +220,27 @@ class Controller:
             Liveness(start.world_size),
             CollectiveBarrier(start.world_size),
             latest_sent=self.recorder.latest_entry(),
+            hangs=HangWatch(self.hang_rule) if self.hang_rule is not None else None,
         )
         self.listeners.on_attempt_start(start)
         group = self.make_group(start.world_size)
         try:
             group.start()
+            if attempt.hangs is not None:
+                attempt.hangs.saw_progress()  # the ranks' time starts now
             while attempt.outcome is None and not self.preemption.stops_now and not self._gives_up(attempt):
                 for event in group.wait_events(self._time_to_deadline(attempt)):
                     self.events.handle(event, attempt, group)
                 if not attempt.liveness.failures:
                     attempt.liveness.fail(attempt.barrier.overdue())
+                if not attempt.liveness.failures and attempt.hangs is not None:
+                    watch_for_hangs(attempt, group)
             if self.preemption.stops_now:
                 self.preemption.finishing = True  # no signal may interrupt the stop
             if attempt.outcome is AttemptOutcome.FAILED and not self.preemption.noticed:
                 attempt.stacks = group.dump_stacks(attempt.liveness.still_running())
+                if attempt.hangs is not None:
+                    attempt.stacks = with_whereabouts(attempt.stacks, attempt.hangs)
         finally:
             group.stop()
         if attempt.outcome is not AttemptOutcome.SUCCEEDED:
@@ -237,11 +252,13 @@ class Controller:
         return self.stopping.gives_up(bool(attempt.commits.pending))
 
     def _time_to_deadline(self, attempt: Attempt) -> float | None:
-        """How long to wait for events: until the report barrier's, preemption's or stop's deadline."""
+        """How long to wait for events: until the report barrier's, preemption's, stop's or
+        hang watch's deadline."""
         waits = (
             attempt.barrier.time_to_deadline(),
             self.preemption.time_left(),
             self.stopping.time_left(bool(attempt.commits.pending)),
+            attempt.hangs.time_to_deadline() if attempt.hangs is not None else None,
         )
         deadlines = [left for left in waits if left is not None]
         return min(deadlines, default=None)

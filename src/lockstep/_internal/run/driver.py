@@ -23,6 +23,7 @@ from lockstep._internal.output.worker_output import ConsoleMode
 from lockstep._internal.persist.storage import RunStorage, check_storage_path, storage_errors
 from lockstep._internal.run.controller import Controller
 from lockstep._internal.run.group_tap import roster_of, tapped
+from lockstep._internal.run.hang_watch import HangRule
 from lockstep._internal.run.preemption import Preemption, driver_signals
 from lockstep._internal.run.run_record import RunRecorder
 from lockstep._internal.run.upkeep import RunUpkeep
@@ -63,9 +64,10 @@ class RunDriver:
         self.log_dir = storage.local_log_dir()
         self.console: ConsoleMode = run_config.worker_output
 
-    def prepare(self, make_group: GroupFactory, restarts: bool = True) -> Controller:
+    def prepare(self, make_group: GroupFactory, restarts: bool = True, watch_hangs: bool = True) -> Controller:
         """Check the storage, open the run record, and build the controller that will start
-        groups with ``make_group`` (restarting after failures only when ``restarts``).
+        groups with ``make_group`` (restarting after failures only when ``restarts``; with the
+        hang detector of ``FailureConfig`` unless not ``watch_hangs``).
 
         Raises:
             ValueError: the storage can't hold the run, or the run can't be continued.
@@ -97,6 +99,7 @@ class RunDriver:
             report_timeout_s=failure_config.report_timeout_s,
             listeners=listeners_for(self.run_config, run_info, [exporter] if exporter is not None else []),
             preemption=preemption,
+            hang_rule=HangRule.from_config(failure_config) if watch_hangs else None,
         )
 
     def _open_record(self, storage_path: str, executor: str, exporter: MetricsExporter | None) -> RunRecorder:

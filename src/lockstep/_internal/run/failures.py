@@ -22,6 +22,9 @@ class FailureKind(str, enum.Enum):
     CHANNEL_VIOLATION = "ChannelViolation"
     """The rank's channel carried a message the rank may not send (one claiming another rank,
     or one only the driver sends); the driver closed that channel."""
+    HANG = "Hang"
+    """The rank stopped making progress while the others waited (or every rank did), for
+    longer than the hang threshold (see :mod:`lockstep._internal.run.hang_watch`)."""
 
     def __str__(self) -> str:
         return self.value

@@ -70,8 +70,9 @@ class Liveness:
 
     def still_running(self) -> list[int]:
         """Ranks whose process is still there and that did not fail on their own (a rank that
-        timed out in a report is stuck, so still running)."""
-        failed = {failure.rank for failure in self.failures if failure.error_type != FailureKind.REPORT_TIMEOUT}
+        timed out in a report, or hung, is stuck, so still running)."""
+        stuck = (FailureKind.REPORT_TIMEOUT, FailureKind.HANG)
+        failed = {failure.rank for failure in self.failures if failure.error_type not in stuck}
         return [rank for rank in range(self.world_size) if rank not in self.exited and rank not in failed]
 
 
@@ -103,7 +104,8 @@ class RestartPolicy:
             return error
         lines = [f"Training failed {len(self.history)} times (max_failures={self.max_failures})."]
         lines += [f"Failure {number}: {failure}" for number, failure in enumerate(self.history, 1)]
-        return WorkerGroupError("\n\n".join(lines), error.failures)
+        kind = type(error) if isinstance(error, WorkerGroupError) else WorkerGroupError  # NCCLHangError stays one
+        return kind("\n\n".join(lines), error.failures)
 
 
 def describe_exit(returncode: int) -> str:

@@ -143,6 +143,46 @@ class PreemptionNotice:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A rank's progress, sent by its progress thread when it changed, at most every
+    ``Start.progress_every_s`` (see :mod:`lockstep._internal.rank.progress`).
+
+    Attributes:
+        work: A count that grows with every unit of work the rank does: training steps, forward
+            passes of a prepared model, batches of a prepared loader, reports, collectives.
+        steps: Training steps completed (``optimizer.step()`` calls).
+        busy: Whether the rank is in lockstep's own long work (saving or uploading a checkpoint),
+            which counts as progress for as long as it lasts.
+        step_s: The median of the rank's recent step times, once it has two steps.
+    """
+
+    rank: int
+    work: int
+    steps: int
+    busy: bool = False
+    step_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """A rank's answer to :class:`StacksWanted`: where it is.
+
+    Attributes:
+        stacks: The Python stacks of its threads (lockstep's own left out).
+        collective: The torch.distributed collective it waits in, as torch's flight recorder
+            names it (e.g. ``gloo:all_reduce``, with its sequence number), or None.
+        collectives_known: Whether the flight recorder was on (so None above means: in none).
+        work: As in :class:`Progress`, now.
+    """
+
+    rank: int
+    stacks: str
+    collective: str | None = None
+    collectives_known: bool = False
+    work: int = 0
+
+
+@dataclass(frozen=True)
 class Finished:
     """The train function returned; rank 0 sends its pickled return value."""
 
@@ -179,12 +219,15 @@ class Start:
         from_resume_checkpoint: With no checkpoint of the run's own, whether to start from the
             trainer's ``resume_from_checkpoint``.
         used_dir_names: Checkpoint folder names the run has used already.
+        progress_every_s: How often, at most, the rank sends :class:`Progress` (None: never,
+            the hang detector is off).
     """
 
     first_report_index: int
     checkpoint: CheckpointEntry | None = None
     from_resume_checkpoint: bool = False
     used_dir_names: list[str] = field(default_factory=list)
+    progress_every_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +260,12 @@ class CollectiveDone:
 
 
 @dataclass(frozen=True)
+class StacksWanted:
+    """The driver suspects a hang: the rank answers with :class:`Stacks`, at once when its train
+    function waits for the driver, else from its progress thread."""
+
+
+@dataclass(frozen=True)
 class ReportedCheckpoints:
     """The answer to a :class:`CheckpointsQuery`: the run's kept checkpoints, with their metrics."""
 
@@ -242,6 +291,8 @@ WORKER_MESSAGES = (
     PreemptionNotice,
     Finished,
     Failed,
+    Progress,
+    Stacks,
 )
 
 MESSAGE_TYPES: dict[str, type] = {
@@ -255,6 +306,7 @@ MESSAGE_TYPES: dict[str, type] = {
         ReportDone,
         CollectiveDone,
         ReportedCheckpoints,
+        StacksWanted,
         WorkerFailure,
         CheckpointEntry,
         StepTimes,
