@@ -50,6 +50,9 @@ class TrainJob:
         resume_checkpoint: The trainer's ``resume_from_checkpoint``: where the run starts when
             it has no checkpoint of its own yet.
         main_file: The user's script, so that tracebacks show its path.
+        has_validation: The trainer has a ``validation_config`` (``report(validation=...)`` is allowed).
+        every_rank_metrics: Every rank sends its metrics with each report, not only rank 0
+            (a ``UserCallback`` gets them all).
     """
 
     train_fn: Callable[..., Any]
@@ -62,6 +65,8 @@ class TrainJob:
     dataset_config: DataConfig = field(default_factory=DataConfig)
     metadata: dict[str, Any] = field(default_factory=dict)
     main_file: str | None = field(default_factory=lambda: _main_file())
+    has_validation: bool = False
+    every_rank_metrics: bool = False
 
 
 def _main_file() -> str | None:

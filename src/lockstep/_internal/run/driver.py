@@ -22,8 +22,9 @@ from lockstep._internal.persist.storage import RunStorage, check_storage_path, s
 from lockstep._internal.run.controller import Controller
 from lockstep._internal.run.preemption import Preemption, driver_signals
 from lockstep._internal.run.run_record import RunRecorder
+from lockstep._internal.run.validation import ValidationSetup
 from lockstep._internal.run.worker_group import GroupFactory
-from lockstep.callbacks import RunInfo
+from lockstep.callbacks import RunInfo, TrainRunContext
 from lockstep.config import DEFAULT_STORAGE_PATH, RunConfig, ScalingConfig
 from lockstep.result import Result
 
@@ -39,15 +40,26 @@ class RunDriver:
         scaling: The run's workers (as the executor runs them: see ``Executor.run_scaling``).
         has_resume_checkpoint: Whether the trainer got a ``resume_from_checkpoint`` (the ranks
             start from it while the run has no checkpoint of its own).
+        run_context: What Ray's UserCallbacks get as ``run_context``.
+        validation: The trainer's validation function and the executor's launcher, if the
+            trainer has a ``validation_config``.
     """
 
     def __init__(
-        self, storage: RunStorage, run_config: RunConfig, scaling: ScalingConfig, has_resume_checkpoint: bool
+        self,
+        storage: RunStorage,
+        run_config: RunConfig,
+        scaling: ScalingConfig,
+        has_resume_checkpoint: bool,
+        run_context: TrainRunContext | None = None,
+        validation: ValidationSetup | None = None,
     ) -> None:
         self.storage = storage
         self.run_config = run_config
         self.scaling = scaling
         self.has_resume_checkpoint = has_resume_checkpoint
+        self.run_context = run_context
+        self.validation = validation
         self.log_dir = storage.local_log_dir()
         self.console: ConsoleMode = run_config.worker_output
 
@@ -81,8 +93,9 @@ class RunDriver:
             max_failures=failure_config.max_failures if restarts else 0,
             has_resume_checkpoint=self.has_resume_checkpoint,
             report_timeout_s=failure_config.report_timeout_s,
-            listeners=listeners_for(self.run_config, run_info),
+            listeners=listeners_for(self.run_config, run_info, self.run_context),
             preemption=Preemption(failure_config.preemption_grace_s),
+            validation=self.validation,
         )
 
     def drive(self, controller: Controller) -> Result:

@@ -55,6 +55,8 @@ class Report:
     :class:`CheckpointUploaded`) or ``"external"`` (NO_UPLOAD: registered where it is, at
     ``external_path``); None when this rank passed no checkpoint. ``step_times``: where the
     rank's time since its previous report went (see :mod:`lockstep._internal.rank.step_timing`).
+    ``validation``: what ``report(validation=...)`` asked for with this rank's checkpoint
+    (True: the defaults; a dict: a ValidationTaskConfig's ``fn_kwargs`` and ``timeout_s``).
     """
 
     rank: int
@@ -64,6 +66,7 @@ class Report:
     checkpoint_state: str | None = None
     external_path: str | None = None
     step_times: StepTimes | None = None
+    validation: bool | dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,13 @@ class Collective:
 @dataclass(frozen=True)
 class CheckpointsQuery:
     """``get_all_reported_checkpoints()``: the rank wants the run's checkpoints once those of
-    every report before ``before_index`` are committed."""
+    every report before ``before_index`` are committed (and, when ``validated``, once no
+    validation is pending), or after ``timeout_s`` as they are then."""
 
     rank: int
     before_index: int
+    validated: bool = False
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
