@@ -31,8 +31,7 @@ from typing import Any
 
 import cloudpickle
 
-from lockstep._internal.executors.local import _payload_in_memory
-from lockstep._internal.payload import _main_file
+from lockstep._internal.payload import main_file, payload_in_memory
 from lockstep._internal.rank.python_path import worker_pythonpath
 from lockstep._internal.rank.rank_env import LAUNCHER_VARIABLES, threads_for
 from lockstep._internal.rank.validation_process import ENV_ANSWER_FD, ENV_JOB_FD
@@ -130,7 +129,7 @@ class ProcessValidationLauncher(ValidationLauncher):
                 f"ValidationConfig(fn=...) can't be sent to the validation process: {type(error).__name__}: {error}. "
                 "Create such objects (locks, open files, connections) inside the validation function instead."
             ) from error
-        self._main_file = _main_file()
+        self._main_file = main_file()
         machine = os.cpu_count() or 1
         if workers_cpus + self.options.num_cpus > machine:
             logger.warning(
@@ -197,7 +196,7 @@ class ProcessValidation(RunningValidation):
         self._start()
 
     def _start(self) -> None:
-        job_fd = _payload_in_memory(self._job)
+        job_fd = payload_in_memory(self._job)
         read_fd, write_fd = os.pipe()
         try:
             with open(self.log_path, "ab") as log:

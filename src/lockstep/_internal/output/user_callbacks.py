@@ -52,7 +52,9 @@ class UserCallbacks(Callback):
     def on_failure(self, run: RunInfo, error: Exception, restarting: bool) -> None:
         failures = getattr(error, "worker_failures", None) or {}
         for callback in list(self.callbacks):
-            self._call(callback, callback.after_exception, self.run_context, dict(failures))
+            self._call(
+                callback, callback.after_exception, run_context=self.run_context, worker_exceptions=dict(failures)
+            )
 
     def _flush(self) -> None:
         while self._reports:
@@ -62,11 +64,17 @@ class UserCallbacks(Callback):
             self._reports.popleft()
             checkpoint = self._committed.pop(index, None)
             for callback in list(self.callbacks):
-                self._call(callback, callback.after_report, self.run_context, metrics, checkpoint)
+                self._call(
+                    callback,
+                    callback.after_report,
+                    run_context=self.run_context,
+                    metrics=metrics,
+                    checkpoint=checkpoint,
+                )
 
-    def _call(self, callback: UserCallback, hook: Callable[..., None], *args: Any) -> None:
+    def _call(self, callback: UserCallback, hook: Callable[..., None], **kwargs: Any) -> None:
         try:
-            hook(*args)
+            hook(**kwargs)
         except Exception:  # noqa: BLE001 - a user's callback must not end the training
             log_clear_of_line(
                 logger,

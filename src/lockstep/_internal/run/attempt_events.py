@@ -238,7 +238,11 @@ class AttemptEvents:
         elastic run that could have more workers now ends the attempt to grow."""
         for index, pending in attempt.commits.ready():
             entry = self.recorder.commit_checkpoint(
-                pending.dir_name, index, pending.metrics, pending.external_path, pending.validation
+                pending.dir_name,
+                index,
+                pending.metrics,
+                external_path=pending.external_path,
+                validation=pending.validation,
             )
             if self.validations is not None and entry.validation_request is not None:
                 self.validations.submit(entry)

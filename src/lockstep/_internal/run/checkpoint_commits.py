@@ -54,7 +54,9 @@ class CheckpointCommits:
         external = external or self.early_external_paths.pop(index, None)
         # as in Ray Train: the validation asked for by the lowest rank that passed a checkpoint
         validation = min(with_checkpoint, key=lambda call: call.rank).validation
-        self.pending[index] = PendingCheckpoint(dir_name, metrics, uploading, external, validation)
+        self.pending[index] = PendingCheckpoint(
+            dir_name, metrics, uploading, external_path=external, validation=validation
+        )
 
     def uploaded(self, event: CheckpointUploaded) -> WorkerFailure | None:
         """A rank's ASYNC upload ended; a failed one is returned as the rank's failure."""
