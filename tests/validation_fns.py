@@ -47,3 +47,26 @@ def validate_as_told(checkpoint: Checkpoint, marks: str, scale: float = 1.0, mod
 
 def validate_at_once(checkpoint: Checkpoint, marks: str) -> dict[str, Any]:
     return {"val": 7, "step": int(Path(checkpoint.path, "step.txt").read_text())}
+
+
+def validate_lightning_checkpoint(checkpoint: Checkpoint, name: str) -> dict[str, Any]:
+    """The epoch and step that Lightning's checkpoint file says it holds."""
+    import torch
+
+    with checkpoint.as_directory() as folder:
+        state = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
+    return {"ckpt_epoch": state["epoch"], "ckpt_step": state["global_step"]}
+
+
+def validate_in_ray_task(checkpoint: Checkpoint, mode: str = "ok") -> dict[str, Any]:
+    """Where it ran (a Ray task on a test node), and the checkpoint's value; "fail" raises,
+    "hang" runs past any timeout."""
+    import ray
+
+    if mode == "fail":
+        raise ValueError("this checkpoint is no good")
+    if mode == "hang":
+        time.sleep(600)
+    context = ray.get_runtime_context()
+    return {"val": read_value(checkpoint), "node": os.environ.get("LOCKSTEP_TEST_NODE"),
+            "in_task": context.get_task_id() is not None and context.get_actor_id() is None}
