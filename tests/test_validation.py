@@ -411,3 +411,38 @@ def test_an_interrupted_or_killed_drivers_pending_validation_runs_at_the_next_fi
     assert (entry["validation"], entry["metrics"]) == ("VALIDATED", {"step": 0, "val": 7})
     assert result.best_checkpoints[0][1] == {"step": 0, "val": 7}
     assert ReportedCheckpointStatus(entry["validation"]) is ReportedCheckpointStatus.VALIDATED
+
+
+def report_two_in_local_mode() -> None:
+    for step in range(2):
+        with tempfile.TemporaryDirectory() as folder:
+            lockstep.report({"step": step}, checkpoint=value_checkpoint(folder, step + 1), validation=True)
+
+
+@pytest.mark.timeout(60)
+def test_local_mode_validates_in_a_process_of_its_own(storage_path: str) -> None:
+    result = TorchTrainer(
+        report_two_in_local_mode, scaling_config=ScalingConfig(num_workers=0),
+        run_config=RunConfig(storage_path=storage_path), validation_config=ValidationConfig(validate_value),
+    ).fit()
+    validated = [metrics for _, metrics in result.best_checkpoints]
+    assert [(metrics["val"], metrics["pid"] != os.getpid()) for metrics in validated] == [(1.0, True), (2.0, True)]
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_rank_0_validates_in_processes_of_their_own(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0",
+         str(REPO_ROOT / "tests" / "scripts" / "validation_torchrun_job.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=140, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    results = {}
+    for line in completed.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, rank, pid, best = line.split(" ", 3)
+            results[int(rank)] = (int(pid), json.loads(best))
+    assert sorted(results) == [0, 1]
+    (pid_0, best), (pid_1, best_seen_by_1) = results[0], results[1]
+    assert [(metrics["val"], metrics["rank_variable"]) for metrics in best] == [(1.0, None), (2.0, None)]
+    assert not {metrics["pid"] for metrics in best} & {pid_0, pid_1}, "not in a rank's process"
+    assert best_seen_by_1 == best

@@ -48,17 +48,9 @@ class Listeners:
         self.run = run
         self.builtin = list(builtin) + ([user_callbacks] if user_callbacks is not None else [])
         self.callbacks = list(callbacks)
+        #: Ray's UserCallbacks (among ``builtin``): the controller also tells them every rank's
+        #: metrics of each report, which no Callback hook carries
         self.user_callbacks = user_callbacks
-
-    @property
-    def wants_rank_metrics(self) -> bool:
-        """Whether a listener wants every rank's metrics of each report (Ray's UserCallback)."""
-        return self.user_callbacks is not None
-
-    def after_rank_reports(self, index: int, metrics: list[dict[str, Any]] | None, has_checkpoint: bool) -> None:
-        """Report ``index`` is recorded; ``metrics`` are every rank's, by rank."""
-        if self.user_callbacks is not None:
-            self.user_callbacks.after_rank_reports(index, metrics or [], has_checkpoint)
 
     def on_run_start(self) -> None:
         """Before the first workers start."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from lockstep._internal.output.listeners import Listeners
 from lockstep._internal.output.progress import note_slow_rank
+from lockstep._internal.output.user_callbacks import UserCallbacks
 from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep._internal.run.checkpoint_commits import CheckpointCommits, agreed_dir_name
 from lockstep._internal.run.checkpoints import ranked
@@ -71,8 +72,10 @@ class AttemptEvents:
         preemption: Preemption,
         stopping: Stopping,
         validations: Validations | None = None,
+        rank_reports: UserCallbacks | None = None,
     ) -> None:
         self.make_group = make_group
+        self.rank_reports = rank_reports  # Ray's UserCallbacks: told every rank's metrics of each report
         self.recorder = recorder
         self.listeners = listeners
         self.preemption = preemption
@@ -223,8 +226,8 @@ class AttemptEvents:
         if dir_name is not None:
             attempt.commits.reported(index, dir_name, report["metrics"], calls.values())
             self._commit_ready(attempt)
-        if self.listeners.wants_rank_metrics:
-            self.listeners.after_rank_reports(index, rank_metrics(calls), dir_name is not None)
+        if self.rank_reports is not None:
+            self.rank_reports.after_rank_reports(index, rank_metrics(calls), dir_name is not None)
 
     def _on_uploaded(self, uploaded: protocol.CheckpointUploaded, attempt: Attempt, group: WorkerGroup) -> None:
         failure = attempt.commits.uploaded(uploaded)
@@ -253,9 +256,7 @@ class AttemptEvents:
             attempt.liveness.grow_if(self.make_group.can_grow)
 
 
-def rank_metrics(calls: dict[int, protocol.Report]) -> list[dict[str, Any]] | None:
-    """Every rank's metrics of one report, by rank, when every rank sent them (a UserCallback
-    asked for them); else None."""
-    if any(call.metrics_json is None for call in calls.values()):
-        return None
+def rank_metrics(calls: dict[int, protocol.Report]) -> list[dict[str, Any]]:
+    """Every rank's metrics of one report, by rank (every rank sends them when a UserCallback
+    asks for them; a rank that sent none counts as empty)."""
     return [json.loads(calls[rank].metrics_json or "{}") for rank in sorted(calls)]

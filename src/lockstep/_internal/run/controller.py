@@ -94,6 +94,7 @@ class Controller:
             preemption=self.preemption,
             stopping=self.stopping,
             validations=self.validations,
+            rank_reports=listeners.user_callbacks,
         )
 
     @property
