@@ -262,6 +262,7 @@ def test_validated_metrics_rank_the_checkpoints_and_fit_waits_for_them(storage_p
     pids = {entry["metrics"]["pid"] for entry in record["checkpoints"]}
     assert len(pids) == 3 and result.return_value["pid"] not in pids, "a fresh process per validation"
     assert {entry["metrics"]["threads"] for entry in record["checkpoints"]} == {"2"}, "num_cpus=2 -> 2 threads"
+    assert {entry["metrics"]["gpus"] for entry in record["checkpoints"]} == {""}, "no num_gpus: no GPU, as in Ray"
     # VALIDATED (the default) waited in the train function for every validation; kept ones, worst first
     assert result.return_value["validated"] == [(4, "VALIDATED", 3.0), (3, "VALIDATED", 2.0), (1, "VALIDATED", 1.0)]
 

@@ -28,7 +28,8 @@ def read_value(checkpoint: Checkpoint) -> float:
 
 
 def validate_value(checkpoint: Checkpoint) -> dict[str, Any]:
-    return {"val": read_value(checkpoint), "pid": os.getpid(), "threads": os.environ.get("OMP_NUM_THREADS")}
+    return {"val": read_value(checkpoint), "pid": os.getpid(), "threads": os.environ.get("OMP_NUM_THREADS"),
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def validate_as_told(checkpoint: Checkpoint, marks: str, scale: float = 1.0, mode: str = "ok") -> dict[str, Any]:
