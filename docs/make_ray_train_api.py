@@ -37,8 +37,7 @@ FALLBACK: dict[str, dict[str, NameStatus]] = {
         "RayDeepSpeedStrategy": NameStatus("provided", "lockstep.lightning.RayDeepSpeedStrategy",
                                            f"{_PL_PACKAGE}; raises ImportError on creation when deepspeed is missing"),
         "RayLightningEnvironment": NameStatus("provided", "lockstep.lightning.RayLightningEnvironment", _PL_PACKAGE),
-        "RayTrainReportCallback": NameStatus("provided", "lockstep.lightning.RayTrainReportCallback",
-                                             "validation=True raises ValueError (lockstep has no checkpoint validation)"),
+        "RayTrainReportCallback": NameStatus("provided", "lockstep.lightning.RayTrainReportCallback"),
         "prepare_trainer": NameStatus("provided", "lockstep.lightning.prepare_trainer",
                                       "a strategy or cluster environment that is not lockstep's raises ValueError "
                                       "(Ray: RuntimeError)"),

@@ -92,3 +92,33 @@ def test_a_hang_around_an_nccl_collective_is_an_nccl_hang_error_naming_it(tmp_pa
         trainer.fit()
     assert list(raised.value.failures) == [1] and raised.value.failures[1].error_type == "Hang"
     assert "(waiting in torch collective nccl:all_reduce #" in str(raised.value)
+
+def report_a_checkpoint_to_validate() -> None:
+    import tempfile
+
+    from lockstep import Checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(folder), validation=True)
+
+
+def gpus_seen(checkpoint: lockstep.Checkpoint) -> dict:
+    import os
+
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
+            "sum": torch.ones(3, device="cuda").sum().item()}
+
+
+@pytest.mark.timeout(180)
+def test_a_validation_gets_the_gpu_it_asks_for(tmp_path) -> None:
+    """A validation asking for num_gpus=1 sees one GPU (the worker's, on a one-GPU machine) and
+    computes on it (without num_gpus it sees none: tests/test_validation.py checks that)."""
+    from lockstep import ValidationConfig
+
+    result = TorchTrainer(
+        report_a_checkpoint_to_validate, scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=RunConfig(storage_path=str(tmp_path)),
+        validation_config=ValidationConfig(gpus_seen, ray_remote_kwargs={"num_gpus": 1}),
+    ).fit()
+    ((_, metrics),) = result.best_checkpoints
+    assert metrics["count"] == 1 and metrics["sum"] == 3.0 and metrics["visible"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import lockstep
-from lockstep import CheckpointConfig, RunConfig, ScalingConfig
+from lockstep import CheckpointConfig, RunConfig, ScalingConfig, ValidationConfig, ValidationTaskConfig
 from lockstep.lightning import (
     RayDDPStrategy,
     RayDeepSpeedStrategy,
@@ -33,6 +34,7 @@ from lockstep.lightning import (
 )
 from lockstep.lightning._package import LIGHTNING, PYTORCH_LIGHTNING, choose_package
 from lockstep.torch import TorchTrainer
+from validation_fns import validate_lightning_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER_MODULES = {LIGHTNING: "lightning.pytorch", PYTORCH_LIGHTNING: "pytorch_lightning"}
@@ -101,7 +103,7 @@ def lightning_train_func(config: dict[str, Any]) -> dict[str, Any]:
         accelerator="auto",
         strategy=STRATEGIES[config.get("strategy", "ddp")](),
         plugins=[RayLightningEnvironment()],
-        callbacks=[RayTrainReportCallback()],
+        callbacks=[RayTrainReportCallback(validation=config.get("validation", False))],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -134,9 +136,13 @@ def _gathered_view(pl: Any, trainer: Any, model: Any) -> dict[str, Any]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("package", [LIGHTNING, PYTORCH_LIGHTNING])
 def test_ray_getting_started_shape(package: str, storage_path: str, tmp_path: Path) -> None:
+    validates = package == LIGHTNING  # RayTrainReportCallback(validation=True): once is enough
     result = TorchTrainer(
         lightning_train_func,
-        train_loop_config={"package": package, "root": str(tmp_path / "lightning_root")},
+        train_loop_config={"package": package, "root": str(tmp_path / "lightning_root"), "validation": validates},
+        validation_config=ValidationConfig(
+            validate_lightning_checkpoint, ValidationTaskConfig({"name": RayTrainReportCallback.CHECKPOINT_NAME})
+        ) if validates else None,
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(
             name="lit",
@@ -152,6 +158,8 @@ def test_ray_getting_started_shape(package: str, storage_path: str, tmp_path: Pa
     _check_reports(result)
     _check_top_k(result, storage_path)
     _check_reload(result, package, final_params=ranks[0]["params"])
+    if validates:
+        _check_validated(result)
 
 
 def _check_ddp_ran_on_two_ranks(ranks: list[dict[str, Any]], package: str) -> None:
@@ -182,6 +190,15 @@ def _check_top_k(result: lockstep.Result, storage_path: str) -> None:
     assert len(folders) == 2
     for checkpoint, _ in result.best_checkpoints:
         assert os.listdir(checkpoint.path) == [RayTrainReportCallback.CHECKPOINT_NAME]
+
+
+def _check_validated(result: lockstep.Result) -> None:
+    """Each kept checkpoint was validated on its own file: the validation read back its epoch."""
+    record = json.loads(Path(result.path, "lockstep_run.json").read_text())
+    for entry in record["checkpoints"]:
+        assert entry["validation"] == "VALIDATED"
+        metrics = entry["metrics"]
+        assert (metrics["ckpt_epoch"], metrics["ckpt_step"]) == (metrics["epoch"], metrics["step"])
 
 
 def _check_reload(result: lockstep.Result, package: str, final_params: list[torch.Tensor]) -> None:

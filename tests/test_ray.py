@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 import lockstep
-from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+from lockstep import (
+    Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ValidationConfig, ValidationTaskConfig,
+)
 from lockstep._internal.run.worker_group import GroupSpec
 from lockstep._internal.executors.ray import assign_ranks, rank_env
 from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
@@ -27,6 +29,7 @@ from lockstep._internal.ray_compat.ray_actor import WorkerPlace
 from lockstep.torch import TorchTrainer
 from test_channel_trust import assert_rogue_refused, rogue_config, rogue_peer_train_func
 from test_launch import rogue_train_func
+from validation_fns import validate_in_ray_task
 
 from conftest import REPO_ROOT, untagged
 
@@ -331,6 +334,72 @@ def test_seed_003_script_with_ray_init_trains_on_the_cluster(cluster: Any, tmp_p
     (run,) = (tmp_path / "lockstep_results").iterdir()
     record = json.loads((run / "lockstep_run.json").read_text())
     assert record["executor"] == "ray" and record["status"] == "finished"
+
+
+# -- checkpoint validation: Ray tasks, and Ray Train itself on the same script -----------------------
+
+
+def report_three_to_validate() -> None:
+    """Three checkpoints: validated, failing, running past its timeout."""
+    modes = [True, ValidationTaskConfig({"mode": "fail"}), ValidationTaskConfig({"mode": "hang"}, timeout_s=2)]
+    for step, validation in enumerate(modes):
+        with tempfile.TemporaryDirectory() as folder:
+            if lockstep.get_context().get_world_rank() == 0:
+                Path(folder, "value.txt").write_text(str(step + 1))
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder), validation=validation)
+
+
+@ray_test
+@pytest.mark.timeout(180)
+def test_validations_run_as_ray_tasks_with_the_ray_remote_kwargs(storage_path: str) -> None:
+    result = TorchTrainer(
+        report_three_to_validate, scaling_config=ScalingConfig(num_workers=2, executor="ray"),
+        run_config=RunConfig(storage_path=storage_path),
+        validation_config=ValidationConfig(validate_in_ray_task, ray_remote_kwargs={"num_cpus": 1, "max_retries": 0}),
+    ).fit()
+    record = json.loads(Path(result.path, "lockstep_run.json").read_text())
+    assert record["executor"] == "ray"
+    first, failed, timed_out = record["checkpoints"]
+    assert first["validation"] == "VALIDATED"
+    assert first["metrics"]["val"] == 1.0 and first["metrics"]["in_task"] is True
+    assert first["metrics"]["node"] in WORKER_NODES
+    assert (failed["validation"], timed_out["validation"]) == ("VALIDATION_FAILED", "VALIDATION_TIMEOUT")
+
+
+def run_same_script(framework: str, storage: Path, address: str | None) -> dict[str, Any]:
+    command = [sys.executable, str(REPO_ROOT / "tests" / "scripts" / "validation_same_script.py"),
+               "--framework", framework, "--storage", str(storage)]
+    completed = subprocess.run(command + (["--address", address] if address else []), capture_output=True,
+                               text=True, timeout=170, cwd=REPO_ROOT)
+    assert completed.returncode == 0, f"{framework}:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@ray_test
+@pytest.mark.timeout(400)
+def test_validation_as_ray_train_does_it_on_the_same_script(cluster: Any, tmp_path: Path) -> None:
+    """The same script under Ray Train 2.60 (on this cluster) and under lockstep (its imports
+    swapped; the local executor): the same statuses and validation metrics, the same Result,
+    except the documented retention difference: with num_to_keep=2 by the validation metric,
+    Ray keeps the latest two (the best, step 1, was deleted before its validation ended), and
+    lists the unscored timed-out one among the best; lockstep keeps the best two validated (1
+    and 3) and the latest (4)."""
+    ray_sees = run_same_script("ray", tmp_path / "ray", cluster.address)
+    ours = run_same_script("lockstep", tmp_path / "lockstep", None)
+
+    by_step = {item["step"]: item for item in ours["in_train_func"]}
+    assert ray_sees["in_train_func"], "Ray kept checkpoints"
+    for theirs in ray_sees["in_train_func"]:
+        assert by_step[theirs["step"]] == theirs, f"step {theirs['step']}: Ray {theirs}, lockstep {by_step}"
+    assert {item["status"] for item in ours["in_train_func"]} == {"VALIDATED", "VALIDATION_TIMEOUT"}
+    assert ours["result_metrics"] == ray_sees["result_metrics"]
+    assert ours["latest_value"] == ray_sees["latest_value"]
+    # the documented difference
+    assert sorted(item["step"] for item in ray_sees["in_train_func"]) == [3, 4]
+    assert sorted(by_step) == [1, 3, 4]
+    assert [metrics["step"] for metrics in ray_sees["best"]] == [3, 4]
+    assert [metrics["step"] for metrics in ours["best"]] == [3, 1]
+    assert ours["best"][0] == ray_sees["best"][0], "the validated checkpoint both keep reads the same"
 
 
 def fit_in_background(trainer: TorchTrainer) -> tuple[threading.Thread, dict[str, Any]]:

@@ -46,6 +46,7 @@ from lockstep.errors import (
 )
 from lockstep.preemption import PreemptionInfo
 from lockstep.result import Result
+from lockstep.validation import ValidationConfig, ValidationFn, ValidationTaskConfig
 
 __version__ = "0.1.0"
 
@@ -69,6 +70,7 @@ _LAZY_NAMES = {
     "ReportedCheckpoint": "lockstep.reported_checkpoint",
     "ReportedCheckpointStatus": "lockstep.reported_checkpoint",
     "CheckpointConsistencyMode": "lockstep.reported_checkpoint",
+    "UserCallback": "lockstep.callbacks",
 }
 _LAZY_MODULES = ("torch", "lightning", "huggingface", "collective")
 
@@ -96,6 +98,10 @@ __all__ = [
     "SyncConfig",
     "TrainContext",
     "TrainingFailedError",
+    "UserCallback",
+    "ValidationConfig",
+    "ValidationFn",
+    "ValidationTaskConfig",
     "WorkerError",
     "WorkerFailure",
     "WorkerGroupError",

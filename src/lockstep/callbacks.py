@@ -6,6 +6,9 @@ next ``report()`` of every worker but never loses anything. A callback that rais
 with its traceback and switched off for the rest of the run; the training goes on. A hook can
 stop the run with ``run.request_stop(reason)`` (see :class:`EarlyStopping`).
 
+Ray Train 2.60's :class:`UserCallback` (hooks ``after_report(run_context, metrics, checkpoint)``
+and ``after_exception(run_context, worker_exceptions)``) is accepted in the same list.
+
 Example:
     >>> from lockstep.callbacks import Callback, CSVLogger
     >>> class PrintBest(Callback):
@@ -22,6 +25,8 @@ from __future__ import annotations
 import difflib
 import logging
 import numbers
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lockstep._internal.output.callback_base import (
@@ -35,6 +40,7 @@ from lockstep._internal.output.callback_base import (
     numeric_metrics,
 )
 from lockstep._internal.output.loggers import CSVLogger, JSONLogger, MLflowLogger, TensorBoardLogger
+from lockstep.checkpoint import Checkpoint
 
 __all__ = [
     "STOP_STATUSES",
@@ -49,6 +55,8 @@ __all__ = [
     "StopRequest",
     "StopStatus",
     "TensorBoardLogger",
+    "TrainRunContext",
+    "UserCallback",
     "check_callbacks",
     "misspelled_hooks",
     "numeric_metrics",
@@ -114,22 +122,73 @@ class EarlyStopping(Callback):
         return value > self.best + self.min_delta
 
 
+# -- Ray Train's callback interface ---------------------------------------------------------------
+
+
+@dataclass
+class TrainRunContext:
+    """The run a :class:`UserCallback` is called for (Ray Train 2.60's ``TrainRunContext``).
+
+    Attributes:
+        run_config: The trainer's :class:`~lockstep.RunConfig`.
+        train_loop_config: The config dict passed to the train function.
+        scaling_config: The trainer's :class:`~lockstep.ScalingConfig`.
+        backend_config: The trainer's backend config (``TorchConfig`` for ``TorchTrainer``).
+        dataset_config: The trainer's :class:`~lockstep.DataConfig`.
+        run_id: A new id for each ``fit()``.
+    """
+
+    # typed Any: lockstep.config imports this module (RunConfig checks its callbacks)
+    run_config: Any
+    train_loop_config: dict[str, Any] | None
+    scaling_config: Any
+    backend_config: Any
+    dataset_config: Any
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def get_run_config(self) -> Any:
+        """The run's RunConfig."""
+        return self.run_config
+
+
+class UserCallback:
+    """Ray Train 2.60's callback interface, called in the driver: pass instances in
+    ``RunConfig(callbacks=[...])`` as in Ray Train. (lockstep's own :class:`Callback` has more
+    hooks; both kinds can be mixed in the list.) A hook that raises is logged with its traceback
+    and that callback is switched off for the rest of the run; the training goes on.
+    """
+
+    def after_report(
+        self, run_context: TrainRunContext, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None
+    ) -> None:
+        """Every rank made a ``report()``: ``metrics[i]`` is what rank ``i`` reported, and
+        ``checkpoint`` the report's checkpoint, committed to storage (None without one). Called
+        once per report, in report order; a report with an ASYNC checkpoint once it is committed."""
+
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, Exception]) -> None:
+        """A worker group failed: ``worker_exceptions`` maps each failed rank to its error (a
+        :class:`lockstep.WorkerError`, or the built-in exception class it names)."""
+
+
 # -- checking them --------------------------------------------------------------------------------
 
 
 def check_callbacks(callbacks: list[Any]) -> None:
-    """Refuse anything that is not a lockstep Callback (e.g. a Ray Tune callback), and warn of a
-    method that looks like a misspelled hook (it would never be called).
+    """Refuse anything that is not a lockstep Callback or UserCallback (e.g. a Ray Tune
+    callback), and warn of a method that looks like a misspelled hook (it would never be called).
 
     Raises:
         ValueError: naming the offending entry.
     """
     for position, callback in enumerate(callbacks):
+        if isinstance(callback, UserCallback):
+            continue
         if not isinstance(callback, Callback):
             raise ValueError(
                 f"RunConfig.callbacks[{position}] is a {type(callback).__module__}.{type(callback).__name__}, not a "
                 "lockstep.callbacks.Callback. Use lockstep's loggers (CSVLogger, JSONLogger, TensorBoardLogger, "
-                "MLflowLogger) or subclass lockstep.callbacks.Callback."
+                "MLflowLogger) or subclass lockstep.callbacks.Callback (or lockstep.UserCallback, Ray Train's "
+                "interface)."
             )
         for name, hook in misspelled_hooks(type(callback)).items():
             logger.warning(

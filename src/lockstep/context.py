@@ -20,6 +20,7 @@ from lockstep.reported_checkpoint import (  # noqa: F401 - ReportedCheckpointSta
     ReportedCheckpoint,
     ReportedCheckpointStatus,
 )
+from lockstep.validation import ValidationTaskConfig
 
 if TYPE_CHECKING:
     from lockstep._internal.rank.checkpoint_upload import UploadFn
@@ -47,6 +48,7 @@ def report(
     checkpoint_upload_mode: CheckpointUploadMode | str = CheckpointUploadMode.SYNC,
     delete_local_checkpoint_after_upload: bool | None = None,
     checkpoint_upload_fn: UploadFn | None = None,
+    validation: bool | ValidationTaskConfig = False,
 ) -> None:
     """Report metrics (and optionally a checkpoint) for this step; a collective.
 
@@ -71,10 +73,16 @@ def report(
             ``checkpoint_dir_name``, it is registered where it is, as with NO_UPLOAD (Ray Train
             refuses a place outside its run folder), and not deleted by ``num_to_keep``; every
             rank should then return the same one (only one is recorded).
+        validation: Validate this report's checkpoint once it is committed, with the trainer's
+            ``validation_config`` (see :mod:`lockstep.validation`): True uses its defaults; a
+            :class:`~lockstep.ValidationTaskConfig` gives ``fn_kwargs`` (merged over the
+            defaults) and ``timeout_s``. ``report()`` does not wait for it. Of the ranks that
+            pass a checkpoint, the lowest rank's ``validation`` counts (as in Ray Train).
 
     Raises:
         ValueError: ``delete_local_checkpoint_after_upload`` would delete the run folder or a
-            folder inside it.
+            folder inside it; ``validation`` without a checkpoint, or without a
+            ``validation_config`` on the trainer.
     """
     mode = CheckpointUploadMode(checkpoint_upload_mode)
     delete_local = (
@@ -89,6 +97,7 @@ def report(
         upload_mode=mode,
         upload_fn=checkpoint_upload_fn,
         delete_local_after_upload=delete_local,
+        validation=validation,
     )
 
 
@@ -106,20 +115,24 @@ def get_all_reported_checkpoints(
     deleted by ``CheckpointConfig(num_to_keep=...)`` are not listed (the latest always is); in
     report order, or worst to best by ``checkpoint_score_attribute`` when one is set.
     Checkpoints of earlier attempts (before a restart) and of an earlier run that this one
-    resumed are included.
+    resumed are included. Each has its ``status``: COMMITTED (no validation asked for),
+    PENDING_VALIDATION, VALIDATED (its metrics include the validation's), VALIDATION_FAILED or
+    VALIDATION_TIMEOUT.
 
     Example:
         >>> for reported in lockstep.get_all_reported_checkpoints():  # doctest: +SKIP
         ...     print(reported.metrics["loss"], reported.checkpoint.path)
 
     Args:
-        consistency_mode: Accepted for Ray Train scripts; COMMITTED and VALIDATED both wait for
-            the commits (lockstep has no validation).
-        timeout_s: Accepted for Ray Train scripts and not used: the wait lasts only while
-            uploads already started finish or fail.
+        consistency_mode: COMMITTED waits for the commits; VALIDATED (the default, as in Ray
+            Train) also until no validation is pending (with no ``validation_config``, nothing
+            can end one, so it waits as COMMITTED).
+        timeout_s: Wait at most this long, then return the checkpoints as they are; None: no limit.
     """
-    CheckpointConsistencyMode(consistency_mode)
-    return active_session("get_all_reported_checkpoints").get_all_reported_checkpoints()
+    mode = CheckpointConsistencyMode(consistency_mode)
+    return active_session("get_all_reported_checkpoints").get_all_reported_checkpoints(
+        validated=mode is CheckpointConsistencyMode.VALIDATED, timeout_s=timeout_s
+    )
 
 
 def get_context() -> TrainContext:

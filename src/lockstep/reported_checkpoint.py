@@ -17,8 +17,8 @@ class CheckpointConsistencyMode(enum.Enum):
     """What :func:`get_all_reported_checkpoints` waits for (as in Ray Train).
 
     COMMITTED: the checkpoints of every ``report()`` this rank has made are committed (an
-    ASYNC upload still running is waited for). VALIDATED: the same here, since lockstep has no
-    checkpoint validation step.
+    ASYNC upload still running is waited for). VALIDATED: that, and no checkpoint validation is
+    pending (see :mod:`lockstep.validation`).
     """
 
     COMMITTED = "COMMITTED"
@@ -26,8 +26,13 @@ class CheckpointConsistencyMode(enum.Enum):
 
 
 class ReportedCheckpointStatus(enum.Enum):
-    """The state of a :class:`ReportedCheckpoint`. lockstep has no validation step, so its
-    checkpoints are always COMMITTED; the other members exist for scripts written for Ray Train."""
+    """The state of a :class:`ReportedCheckpoint` (as in Ray Train 2.60).
+
+    COMMITTED: saved, no validation asked for. PENDING_VALIDATION: saved, its validation has not
+    ended. VALIDATED: its validation returned metrics (merged into the checkpoint's).
+    VALIDATION_TIMEOUT: its validation ran past ``timeout_s`` and was stopped.
+    VALIDATION_FAILED: its validation raised (or did not return a dict).
+    """
 
     COMMITTED = "COMMITTED"
     PENDING_VALIDATION = "PENDING_VALIDATION"
@@ -42,8 +47,8 @@ class ReportedCheckpoint:
 
     Attributes:
         checkpoint: The checkpoint in storage (or where NO_UPLOAD / ``checkpoint_upload_fn`` put it).
-        metrics: The metrics of the ``report()`` that saved it.
-        status: Always ``ReportedCheckpointStatus.COMMITTED`` (no validation step).
+        metrics: The metrics of the ``report()`` that saved it, with its validation's once VALIDATED.
+        status: Where it stands, see :class:`ReportedCheckpointStatus`.
     """
 
     checkpoint: Checkpoint

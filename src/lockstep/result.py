@@ -21,7 +21,8 @@ class Result:
     """The outcome of ``fit()``, or of a run read back with :meth:`Result.from_path`.
 
     Attributes:
-        metrics: Rank 0's metrics from the last ``report()`` (None before the first report).
+        metrics: Rank 0's metrics from the last ``report()`` (None before the first report),
+            with its checkpoint's validation metrics when that checkpoint was validated.
         checkpoint: The latest committed checkpoint, or None.
         error: The error that ended the run, or None.
         path: The run folder (a URI for remote storage).
@@ -30,7 +31,9 @@ class Result:
             by ``CheckpointConfig.checkpoint_score_attribute``, worst first and best last, as Ray
             Train lists them; without a score attribute, the latest ones, oldest first; every
             checkpoint when ``num_to_keep`` is None. The latest checkpoint (``checkpoint``) is
-            always kept in storage, but listed here only when it is among the best.
+            always kept in storage, but listed here only when it is among the best. A validated
+            checkpoint's metrics include its validation's; one whose validation is still pending
+            (an interrupted run) is not listed.
         return_value: What rank 0's train function returned (only from ``fit()``).
         num_failures: How many times the workers failed and were restarted (FailureConfig).
         metrics_history: Every report as a dict: ``report_index``, ``timestamp``,

@@ -14,10 +14,13 @@ from lockstep._internal.persist.storage import RunStorage, storage_errors
 from lockstep._internal.run.config_record import config_record
 from lockstep._internal.run.driver import RunDriver
 from lockstep._internal.run.run_names import default_run_name
+from lockstep._internal.run.validation import ValidationSetup
 from lockstep.backend import BackendConfig
+from lockstep.callbacks import TrainRunContext, UserCallback
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import DEFAULT_STORAGE_PATH, DataConfig, RunConfig, ScalingConfig
 from lockstep.result import Result
+from lockstep.validation import ValidationConfig
 
 __all__ = ["DataParallelTrainer", "check_type", "default_run_name"]
 
@@ -40,6 +43,8 @@ class DataParallelTrainer:
         metadata: A JSON-serializable dict every worker sees in ``get_context().get_metadata()``.
         resume_from_checkpoint: A checkpoint ``get_checkpoint()`` returns at the start, unless
             the run already has a newer one of its own.
+        validation_config: The function that validates checkpoints reported with
+            ``report(..., validation=...)``, see :mod:`lockstep.validation`.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class DataParallelTrainer:
         dataset_config: DataConfig | None = None,
         metadata: dict[str, Any] | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
+        validation_config: ValidationConfig | None = None,
     ) -> None:
         _check_train_fn(train_loop_per_worker)
         check_type("train_loop_config", train_loop_config, Mapping, "a dict")
@@ -63,6 +69,7 @@ class DataParallelTrainer:
         check_type("dataset_config", dataset_config, DataConfig, "a DataConfig")
         check_type("metadata", metadata, Mapping, "a dict")
         check_type("resume_from_checkpoint", resume_from_checkpoint, Checkpoint, "a lockstep.Checkpoint")
+        check_type("validation_config", validation_config, ValidationConfig, "a lockstep.ValidationConfig")
         self.train_loop_per_worker = train_loop_per_worker
         self.train_loop_config = dict(train_loop_config) if train_loop_config is not None else None
         self.backend_config = backend_config or BackendConfig()
@@ -76,6 +83,7 @@ class DataParallelTrainer:
         self.dataset_config = dataset_config or DataConfig()
         self.metadata = dict(metadata or {})
         self.resume_from_checkpoint = resume_from_checkpoint
+        self.validation_config = validation_config
         _check_datasets(self._torch_datasets, self.dataset_config, max(1, self.scaling_config.max_workers))
 
     def fit(self) -> Result:
@@ -98,7 +106,11 @@ class DataParallelTrainer:
             scaling,
             has_resume_checkpoint=self.resume_from_checkpoint is not None,
             config=self._config_record(scaling),
+            run_context=self._run_context(),
         )
+        if self.validation_config is not None:
+            launcher = executor.validation_launcher(self.validation_config, driver.log_dir)
+            driver.validation = ValidationSetup(self.validation_config, launcher)
         with executor.reserve(storage.name):
             return executor.launch(self._job(storage), driver)
 
@@ -106,6 +118,16 @@ class DataParallelTrainer:
         """The run's configuration as its record keeps it."""
         configs = {"scaling_config": scaling, "run_config": self.run_config, "backend_config": self.backend_config}
         return config_record(self.train_loop_config, configs, self.datasets)
+
+    def _run_context(self) -> TrainRunContext:
+        """What Ray's UserCallbacks get as ``run_context``."""
+        return TrainRunContext(
+            run_config=self.run_config,
+            train_loop_config=self.train_loop_config,
+            scaling_config=self.scaling_config,
+            backend_config=self.backend_config,
+            dataset_config=self.dataset_config,
+        )
 
     def _run_storage(self, name: str) -> RunStorage:
         storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)
@@ -124,6 +146,8 @@ class DataParallelTrainer:
             datasets=self._torch_datasets,
             dataset_config=self.dataset_config,
             metadata=self.metadata,
+            has_validation=self.validation_config is not None,
+            every_rank_metrics=any(isinstance(callback, UserCallback) for callback in self.run_config.callbacks),
         )
 
 

@@ -50,6 +50,9 @@ class TrainJob:
         resume_checkpoint: The trainer's ``resume_from_checkpoint``: where the run starts when
             it has no checkpoint of its own yet.
         main_file: The user's script, so that tracebacks show its path.
+        has_validation: The trainer has a ``validation_config`` (``report(validation=...)`` is allowed).
+        every_rank_metrics: Every rank sends its metrics with each report, not only rank 0
+            (a ``UserCallback`` gets them all).
     """
 
     train_fn: Callable[..., Any]
@@ -61,10 +64,23 @@ class TrainJob:
     datasets: dict[str, Any] = field(default_factory=dict)
     dataset_config: DataConfig = field(default_factory=DataConfig)
     metadata: dict[str, Any] = field(default_factory=dict)
-    main_file: str | None = field(default_factory=lambda: _main_file())
+    main_file: str | None = field(default_factory=lambda: main_file())
+    has_validation: bool = False
+    every_rank_metrics: bool = False
 
 
-def _main_file() -> str | None:
+def payload_in_memory(payload: bytes) -> int:
+    """An anonymous in-memory file holding ``payload`` (its offset at the end). The kernel frees
+    it when the last process holding it ends, so nothing is left behind even if the driver is
+    killed."""
+    handle = os.memfd_create("lockstep_payload", os.MFD_CLOEXEC)
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(handle, view) :]
+    return handle
+
+
+def main_file() -> str | None:
     """The path of the user's script, when the driver runs one."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)

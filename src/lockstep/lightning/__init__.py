@@ -95,8 +95,9 @@ class RayTrainReportCallback(metaclass=PackageBound):
     Args:
         checkpoint_upload_mode: How ``report()`` stores the checkpoint (default SYNC), see
             :class:`lockstep.CheckpointUploadMode`.
-        validation: Ray Train's asynchronous checkpoint validation, which lockstep does not
-            have; ``True`` raises ``ValueError``.
+        validation: Validate each epoch's checkpoint with the trainer's ``validation_config``
+            (True, or a :class:`lockstep.ValidationTaskConfig`), as ``report(validation=...)``
+            does; see :mod:`lockstep.validation`.
     """
 
     _lockstep_role = "report_callback"

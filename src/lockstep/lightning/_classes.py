@@ -30,6 +30,7 @@ from lockstep._internal.rank.torch_devices import get_device
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, get_context, report
 from lockstep.lightning._package import environments_module, trainer_module
+from lockstep.validation import ValidationTaskConfig
 
 logger = logging.getLogger(__name__)
 
@@ -217,13 +218,13 @@ class _ReportEachEpoch:
     def __init__(
         self,
         checkpoint_upload_mode: CheckpointUploadMode | str | None = None,
-        validation: bool = False,
+        validation: bool | ValidationTaskConfig = False,
     ) -> None:
         super().__init__()
-        if validation:
+        if not isinstance(validation, (bool, ValidationTaskConfig)):
             raise ValueError(
-                "RayTrainReportCallback(validation=...): lockstep does not validate checkpoints asynchronously; "
-                "add a validation loop to the LightningModule (its metrics are reported each epoch)."
+                f"RayTrainReportCallback(validation={validation!r}): use True, False or a "
+                "lockstep.ValidationTaskConfig."
             )
         self.checkpoint_upload_mode = CheckpointUploadMode(checkpoint_upload_mode or CheckpointUploadMode.SYNC)
         self.validation = validation
@@ -235,7 +236,12 @@ class _ReportEachEpoch:
         try:
             trainer.save_checkpoint(os.path.join(folder, self.CHECKPOINT_NAME), weights_only=False)
             checkpoint = Checkpoint.from_directory(folder)
-            report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=self.checkpoint_upload_mode)
+            report(
+                metrics,
+                checkpoint=checkpoint,
+                checkpoint_upload_mode=self.checkpoint_upload_mode,
+                validation=self.validation,
+            )
             trainer.strategy.barrier()
         finally:
             if self.checkpoint_upload_mode is not CheckpointUploadMode.NO_UPLOAD:

@@ -9,6 +9,7 @@ from lockstep.checkpoint import Checkpoint
 from lockstep.config import DataConfig, RunConfig, ScalingConfig
 from lockstep.torch.config import TorchConfig
 from lockstep.trainer import DataParallelTrainer, check_type
+from lockstep.validation import ValidationConfig
 
 __all__ = ["TorchTrainer"]
 
@@ -36,6 +37,8 @@ class TorchTrainer(DataParallelTrainer):
         dataset_config: Which datasets to split.
         metadata: A dict every worker sees in ``get_context().get_metadata()``.
         resume_from_checkpoint: A checkpoint ``get_checkpoint()`` returns at the start.
+        validation_config: The function that validates checkpoints reported with
+            ``report(..., validation=...)``, see :mod:`lockstep.validation`.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class TorchTrainer(DataParallelTrainer):
         dataset_config: DataConfig | None = None,
         metadata: dict[str, Any] | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
+        validation_config: ValidationConfig | None = None,
     ) -> None:
         check_type("torch_config", torch_config, TorchConfig, "a TorchConfig")
         super().__init__(
@@ -62,4 +66,5 @@ class TorchTrainer(DataParallelTrainer):
             dataset_config=dataset_config,
             metadata=metadata,
             resume_from_checkpoint=resume_from_checkpoint,
+            validation_config=validation_config,
         )

@@ -15,8 +15,10 @@ from lockstep._internal.run.run_names import default_run_name
 if TYPE_CHECKING:
     from lockstep._internal.payload import TrainJob
     from lockstep._internal.run.driver import RunDriver
+    from lockstep._internal.run.validation import ValidationLauncher
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
+    from lockstep.validation import ValidationConfig
 
 
 class Executor(abc.ABC):
@@ -45,6 +47,17 @@ class Executor(abc.ABC):
             ValueError: the executor can't run it now (said before any rank starts).
         """
         return nullcontext()
+
+    def validation_launcher(self, config: ValidationConfig, log_dir: str) -> ValidationLauncher:
+        """Where this executor's run validates checkpoints: by default a fresh process on this
+        machine per validation, its output in ``log_dir``.
+
+        Raises:
+            ValueError, TypeError: ``config`` can't be met here (said before any rank starts).
+        """
+        from lockstep._internal.executors.local_validation import ProcessValidationLauncher
+
+        return ProcessValidationLauncher(config, log_dir)
 
     @abc.abstractmethod
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep._internal.executors.base import Executor
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.local_resources import check_local_resources, cpus_in_use, local_capacity
-from lockstep._internal.payload import TrainJob, serialize_payload
+from lockstep._internal.payload import TrainJob, payload_in_memory, serialize_payload
 from lockstep._internal.rank.devices import usable_gpu_ids
 from lockstep._internal.rank.python_path import worker_pythonpath
 from lockstep._internal.rank.rank_env import RankEnv, threads_for
@@ -35,8 +35,10 @@ from lockstep._internal.warm import warm_start
 
 if TYPE_CHECKING:
     from lockstep._internal.run.driver import RunDriver
+    from lockstep._internal.run.validation import ValidationLauncher
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
+    from lockstep.validation import ValidationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,19 @@ class LocalExecutor(Executor):
         """The workers' CPUs, counted with those of other local fits running at once."""
         return cpus_in_use(self.max_workers * self.spec.cpus_per_worker)
 
+    def validation_launcher(self, config: ValidationConfig, log_dir: str) -> ValidationLauncher:
+        """A fresh process per validation, its CPUs counted with the workers' and its GPUs, when
+        it asks for some, others than the workers' if there are enough."""
+        from lockstep._internal.executors.local_validation import ProcessValidationLauncher
+
+        spec = self.spec
+        workers_gpus: tuple[str, ...] = ()
+        if spec.use_gpu and spec.gpus_per_worker > 0:
+            workers_gpus = tuple(usable_gpu_ids()[: math.ceil(self.max_workers * spec.gpus_per_worker)])
+        return ProcessValidationLauncher(
+            config, log_dir, workers_cpus=self.max_workers * spec.cpus_per_worker, workers_gpus=workers_gpus
+        )
+
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:
         """Serialize the job once, then let the driver run attempts of fresh processes."""
         payload = serialize_payload(job)
@@ -132,7 +147,7 @@ class LocalWorkerGroup(ChannelGroup):
 
     def start(self) -> None:
         """Put the payload in memory the workers inherit, then start every rank."""
-        self._payload_fd = _payload_in_memory(self.payload)
+        self._payload_fd = payload_in_memory(self.payload)
         self._store = host_rendezvous_store(LOOPBACK)
         master_port = self._store.port
         gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
@@ -255,13 +270,3 @@ def _read_if_any(path: str) -> str:
             return handle.read()
     except FileNotFoundError:
         return ""
-
-
-def _payload_in_memory(payload: bytes) -> int:
-    """An anonymous in-memory file holding the payload. The kernel frees it when the last
-    process holding it ends, so nothing is left behind even if the driver is killed."""
-    handle = os.memfd_create("lockstep_payload", os.MFD_CLOEXEC)
-    view = memoryview(payload)
-    while view:
-        view = view[os.write(handle, view) :]
-    return handle

@@ -43,8 +43,10 @@ from lockstep.errors import TrainingFailedError
 
 if TYPE_CHECKING:
     from lockstep._internal.run.driver import RunDriver
+    from lockstep._internal.run.validation import ValidationLauncher
     from lockstep.config import ScalingConfig
     from lockstep.result import Result
+    from lockstep.validation import ValidationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,12 @@ class RayExecutor(Executor):
         self.min_workers, self.max_workers = scaling.min_workers, scaling.max_workers
         self.datasets = dict(datasets)
         self.should_split = should_split
+
+    def validation_launcher(self, config: ValidationConfig, log_dir: str) -> ValidationLauncher:
+        """Validations run as Ray tasks with ``config.ray_remote_kwargs``."""
+        from lockstep._internal.executors.ray_validation import RayValidationLauncher
+
+        return RayValidationLauncher(config)
 
     def launch(self, job: TrainJob, driver: RunDriver) -> Result:
         """Serialize the job once, then let the driver run attempts; keep the last attempt's

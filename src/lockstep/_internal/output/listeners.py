@@ -18,8 +18,9 @@ from typing import Any
 
 from lockstep._internal.output.metrics_text import metrics_text
 from lockstep._internal.output.progress import ProgressCallback, log_clear_of_line
+from lockstep._internal.output.user_callbacks import UserCallbacks
 from lockstep._internal.run.stopping import StopCondition
-from lockstep.callbacks import AttemptStart, Callback, RunInfo
+from lockstep.callbacks import AttemptStart, Callback, RunInfo, TrainRunContext, UserCallback
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import RunConfig
 
@@ -37,10 +38,19 @@ class Listeners:
         builtin: lockstep's own listeners, called first.
     """
 
-    def __init__(self, run: RunInfo, callbacks: Sequence[Callback] = (), builtin: Sequence[Callback] = ()) -> None:
+    def __init__(
+        self,
+        run: RunInfo,
+        callbacks: Sequence[Callback] = (),
+        builtin: Sequence[Callback] = (),
+        user_callbacks: UserCallbacks | None = None,
+    ) -> None:
         self.run = run
-        self.builtin = list(builtin)
+        self.builtin = list(builtin) + ([user_callbacks] if user_callbacks is not None else [])
         self.callbacks = list(callbacks)
+        #: Ray's UserCallbacks (among ``builtin``): the controller also tells them every rank's
+        #: metrics of each report, which no Callback hook carries
+        self.user_callbacks = user_callbacks
 
     def on_run_start(self) -> None:
         """Before the first workers start."""
@@ -155,14 +165,25 @@ class LogLines(Callback):
             log_clear_of_line(logger, logging.WARNING, "%s", error)
 
 
-def listeners_for(run_config: RunConfig, run: RunInfo, extra: Sequence[Callback] = ()) -> Listeners:
+def listeners_for(
+    run_config: RunConfig, run: RunInfo, extra: Sequence[Callback] = (), run_context: TrainRunContext | None = None
+) -> Listeners:
     """The listeners of a run: lockstep's log lines, the progress line (unless ``verbose=0``),
     ``run_config.stop``, the driver's ``extra`` built-in listeners (e.g. the metrics exporter)
-    and ``run_config.callbacks``. Where the progress line is live (a terminal), it is the account of
+    and ``run_config.callbacks`` (Ray's UserCallbacks among them are called with
+    ``run_context``). Where the progress line is live (a terminal), it is the account of
     each report, so the per-report log lines go to DEBUG instead of onto the console."""
     progress = ProgressCallback(run.name, run.world_size) if run_config.verbose != 0 else None
     report_level = logging.DEBUG if progress is not None and progress.live else logging.INFO
     builtin: list[Callback] = [LogLines(report_level), *([progress] if progress is not None else [])]
     if run_config.stop is not None:
         builtin.append(StopCondition(run_config.stop))
-    return Listeners(run, run_config.callbacks, [*builtin, *extra])
+    ours = [callback for callback in run_config.callbacks if isinstance(callback, Callback)]
+    rays = [callback for callback in run_config.callbacks if isinstance(callback, UserCallback)]
+    user_callbacks = None
+    if rays:
+        context = run_context or TrainRunContext(
+            run_config=run_config, train_loop_config=None, scaling_config=None, backend_config=None, dataset_config=None
+        )
+        user_callbacks = UserCallbacks(rays, context)
+    return Listeners(run, ours, [*builtin, *extra], user_callbacks)

@@ -17,7 +17,7 @@ def result_fields(
     latest = list(entries.values())[-1] if entries else None  # the record lists them in commit order
     best = [entries[name] for name in record.get("best_checkpoints", entries)]  # a record of 0.1.0 has none
     return dict(
-        metrics=dict(reports[-1]["metrics"]) if reports else None,
+        metrics=_last_metrics(reports, latest),
         checkpoint=run.checkpoint_of(latest) if latest is not None else None,
         error=error_from_record(record.get("error")),
         path=run.display_path,
@@ -27,6 +27,17 @@ def result_fields(
         num_failures=int(record.get("num_failures", 0)),
         metrics_history=[history_row(report) for report in reports],
     )
+
+
+def _last_metrics(reports: list[dict[str, Any]], latest: CheckpointEntry | None) -> dict[str, Any] | None:
+    """The last report's metrics; when that report's checkpoint was validated, with its
+    validation's metrics (as Ray Train, whose Result.metrics are the latest checkpoint's)."""
+    if not reports:
+        return None
+    last = reports[-1]
+    if latest is not None and latest.report_index == last["report_index"]:
+        return {**last["metrics"], **latest.metrics}
+    return dict(last["metrics"])
 
 
 def history_row(report: dict[str, Any]) -> dict[str, Any]:

@@ -115,12 +115,17 @@ def check_storage_path(storage_path: str, storage: RunStorage) -> None:
 @dataclass(frozen=True)
 class CheckpointEntry:
     """One committed checkpoint as the run record lists it. ``path`` is set only for a
-    checkpoint registered where it already was (NO_UPLOAD), outside the run folder."""
+    checkpoint registered where it already was (NO_UPLOAD), outside the run folder.
+    ``validation`` is its validation status (a ``ReportedCheckpointStatus`` value; None when
+    no validation was asked for), and ``validation_request`` what ``report(validation=...)``
+    asked for, kept while the validation is pending so that a later run can start it again."""
 
     dir_name: str
     report_index: int
     metrics: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
+    validation: str | None = None
+    validation_request: bool | dict[str, Any] | None = None
 
 
 class RunStorage:

@@ -160,6 +160,8 @@ def run_rank(
         checkpoint=starting_checkpoint(start, job),
         datasets=datasets,
         used_dir_names=start.used_dir_names,
+        has_validation=job.has_validation,
+        every_rank_metrics=job.every_rank_metrics,
     )
     set_session(session)
     os.environ.update(rank_env.socket_variables())  # on the rank's own host: its interfaces

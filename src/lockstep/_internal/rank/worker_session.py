@@ -28,7 +28,8 @@ from lockstep._internal.wire import protocol
 from lockstep._internal.wire.channel import WorkerChannel
 from lockstep.checkpoint import Checkpoint
 from lockstep.preemption import PreemptionInfo
-from lockstep.reported_checkpoint import ReportedCheckpoint
+from lockstep.reported_checkpoint import ReportedCheckpoint, ReportedCheckpointStatus
+from lockstep.validation import ValidationTaskConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,8 +51,12 @@ class WorkerSession:
         checkpoint: Checkpoint | None,
         datasets: Mapping[str, Any],
         used_dir_names: Iterable[str] = (),
+        has_validation: bool = False,
+        every_rank_metrics: bool = False,
     ) -> None:
         self.context = context
+        self.has_validation = has_validation
+        self._every_rank_metrics = every_rank_metrics
         self._channel = channel
         self._next_report_index = first_report_index
         self._checkpoint = checkpoint
@@ -72,19 +77,24 @@ class WorkerSession:
         upload_mode: CheckpointUploadMode,
         upload_fn: UploadFn | None = None,
         delete_local_after_upload: bool = False,
+        validation: Any = False,
     ) -> None:
         """Send one report and wait until every rank has sent it and it is recorded."""
         metrics_json = encode_metrics(metrics)
         PROGRESS.mark()
+        request = validation_request(validation, checkpoint, self.has_validation)
         index = self._next_report_index
-        message = protocol.Report(
-            self.context.world_rank, index, metrics_json if self.context.world_rank == 0 else None
-        )
+        sends_metrics = self.context.world_rank == 0 or self._every_rank_metrics
+        message = protocol.Report(self.context.world_rank, index, metrics_json if sends_metrics else None)
         if checkpoint is not None:
             job = Upload(self._new_dir_name(checkpoint_dir_name, index), upload_fn, delete_local_after_upload)
             state, external = self._persist(checkpoint, job, index, upload_mode)
             message = dataclasses.replace(
-                message, checkpoint_dir_name=job.dir_name, checkpoint_state=state, external_path=external
+                message,
+                checkpoint_dir_name=job.dir_name,
+                checkpoint_state=state,
+                external_path=external,
+                validation=request,
             )
         try:
             done = self._call(dataclasses.replace(message, step_times=CLOCK.close_window()), protocol.ReportDone)
@@ -222,12 +232,22 @@ class WorkerSession:
         """The latest committed checkpoint (at start: the one to resume from)."""
         return self._checkpoint
 
-    def get_all_reported_checkpoints(self) -> list[ReportedCheckpoint]:
-        """The run's kept checkpoints, once those of this rank's reports so far are committed."""
-        query = protocol.CheckpointsQuery(self.context.world_rank, self._next_report_index)
+    def get_all_reported_checkpoints(
+        self, validated: bool = False, timeout_s: float | None = None
+    ) -> list[ReportedCheckpoint]:
+        """The run's kept checkpoints, once those of this rank's reports so far are committed
+        (and, when ``validated``, no validation is pending), or as they are after ``timeout_s``."""
+        query = protocol.CheckpointsQuery(self.context.world_rank, self._next_report_index, validated, timeout_s)
         answer = self._call(query, protocol.ReportedCheckpoints)
         storage = self.context.storage
-        return [ReportedCheckpoint(storage.checkpoint_of(entry), dict(entry.metrics)) for entry in answer.checkpoints]
+        return [
+            ReportedCheckpoint(
+                storage.checkpoint_of(entry),
+                dict(entry.metrics),
+                ReportedCheckpointStatus(entry.validation or ReportedCheckpointStatus.COMMITTED.value),
+            )
+            for entry in answer.checkpoints
+        ]
 
     def collective(self, op: str, data: bytes | None = None) -> bytes | None:
         """Enter the next collective (``"barrier"`` or ``"broadcast"``) and wait for every rank
@@ -257,6 +277,42 @@ class WorkerSession:
         if dataset_name not in self._datasets:
             raise KeyError(f"get_dataset_shard({dataset_name!r}): no such dataset; the trainer got: {known}.")
         return dataset_name
+
+
+def validation_request(validation: Any, checkpoint: Checkpoint | None, has_validation: bool) -> Any:
+    """What ``report(validation=...)`` asks for, as it travels to the driver and stays in the run
+    record: None (no validation), True (the trainer's defaults), or a dict of a
+    ValidationTaskConfig's ``fn_kwargs`` and ``timeout_s``.
+
+    Raises:
+        TypeError: ``validation`` is not a bool or a ValidationTaskConfig, or its ``fn_kwargs``
+            can't be written as JSON.
+        ValueError: no checkpoint to validate, or the trainer has no ``validation_config``.
+    """
+    if validation is None or validation is False:
+        return None
+    if validation is not True and not isinstance(validation, ValidationTaskConfig):
+        raise TypeError(
+            f"report(validation=...) takes True, False or a lockstep.ValidationTaskConfig, got {validation!r}."
+        )
+    if checkpoint is None:
+        raise ValueError("report(validation=...) needs a checkpoint to validate: pass checkpoint=... with it.")
+    if not has_validation:
+        raise ValueError(
+            "report(validation=...): the trainer has no validation function; pass "
+            "TorchTrainer(..., validation_config=lockstep.ValidationConfig(fn=...))."
+        )
+    if validation is True:
+        return True
+    try:
+        fn_kwargs = json.loads(json.dumps(validation.fn_kwargs))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"report(validation=ValidationTaskConfig(fn_kwargs=...)): the fn_kwargs must be JSON-serializable "
+            f"(numbers, strings, lists and dicts of them), as in Ray Train: {error}. Put other objects in "
+            "ValidationConfig(task_config=...)'s defaults, or make them inside the validation function."
+        ) from error
+    return {"fn_kwargs": fn_kwargs, "timeout_s": validation.timeout_s}
 
 
 def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:

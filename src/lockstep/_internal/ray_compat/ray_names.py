@@ -97,25 +97,35 @@ RAY_TRAIN: dict[str, NameStatus] = {
         "worker_failures; a GPU-only path not yet run on GPUs",
     ),
     "ReportedCheckpoint": _provided("lockstep.ReportedCheckpoint"),
-    "ReportedCheckpointStatus": _provided(
-        "lockstep.ReportedCheckpointStatus", "always COMMITTED: lockstep has no checkpoint validation"
-    ),
+    "ReportedCheckpointStatus": _provided("lockstep.ReportedCheckpointStatus"),
     "TRAIN_DATASET_KEY": _provided("lockstep.TRAIN_DATASET_KEY"),
     "SyncConfig": _deprecated(
         "lockstep.SyncConfig",
         "nothing to sync: ranks write checkpoints straight to "
         "RunConfig.storage_path (a shared folder or a URI such as s3://...)",
     ),
-    "UserCallback": _absent(
-        "subclass lockstep.callbacks.Callback (hooks after_report, on_checkpoint, on_failure, "
-        "on_run_end, ...) and pass it in RunConfig(callbacks=[...])"
+    "UserCallback": _provided(
+        "lockstep.UserCallback",
+        "after_report for a report with an ASYNC checkpoint comes once it is committed; after_exception gets "
+        "lockstep.WorkerError values; lockstep.callbacks.Callback has more hooks (both kinds mix in "
+        "RunConfig(callbacks=[...]))",
     ),
     "CheckpointConsistencyMode": _provided(
-        "lockstep.CheckpointConsistencyMode", "VALIDATED waits as COMMITTED does: lockstep has no checkpoint validation"
+        "lockstep.CheckpointConsistencyMode",
+        "VALIDATED waits as COMMITTED does when the trainer has no validation_config (nothing can end a "
+        "pending validation)",
     ),
-    "ValidationConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
-    "ValidationFn": _absent("validate in the train function (or on rank 0) and report the metrics"),
-    "ValidationTaskConfig": _absent("validate in the train function (or on rank 0) and report the metrics"),
+    "ValidationConfig": _provided(
+        "lockstep.ValidationConfig",
+        "on one machine each validation is a fresh process (ray_remote_kwargs: num_cpus, num_gpus, memory, "
+        "max_retries, retry_exceptions, name; others need Ray); num_to_keep keeps the best validated checkpoints "
+        "(Ray can delete the best before its validation ends); a preempted run's pending validations run at the "
+        "next fit(), as an interrupted one's",
+    ),
+    "ValidationFn": _provided("lockstep.ValidationFn"),
+    "ValidationTaskConfig": _provided(
+        "lockstep.ValidationTaskConfig", "a wrong timeout_s raises ValueError (Ray: AssertionError)"
+    ),
     "PreemptionError": _provided(
         "lockstep.PreemptionError",
         "a SIGTERM to the driver or to a rank is the notice; "

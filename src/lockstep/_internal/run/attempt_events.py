@@ -7,7 +7,7 @@ attempts)."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -16,9 +16,10 @@ from typing import Any
 
 from lockstep._internal.output.listeners import Listeners
 from lockstep._internal.output.progress import note_slow_rank
+from lockstep._internal.output.user_callbacks import UserCallbacks
 from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep._internal.run.checkpoint_commits import CheckpointCommits, agreed_dir_name
-from lockstep._internal.run.checkpoints import best_checkpoints
+from lockstep._internal.run.checkpoints import ranked
 from lockstep._internal.run.collectives import CollectiveBarrier
 from lockstep._internal.run.failures import AttemptOutcome
 from lockstep._internal.run.hang_watch import HangWatch
@@ -28,6 +29,7 @@ from lockstep._internal.run.report_barrier import ReportBarrier
 from lockstep._internal.run.run_record import RunRecorder
 from lockstep._internal.run.stopping import Stopping
 from lockstep._internal.run.stragglers import times_record
+from lockstep._internal.run.validation import Validations
 from lockstep._internal.run.worker_group import GroupFactory, WorkerExited, WorkerGroup
 from lockstep._internal.wire import protocol
 
@@ -53,7 +55,7 @@ class Attempt:
     liveness: Liveness
     collectives: CollectiveBarrier
     commits: CheckpointCommits = field(default_factory=CheckpointCommits)
-    queries: list[protocol.CheckpointsQuery] = field(default_factory=list)
+    queries: list[tuple[protocol.CheckpointsQuery, float | None]] = field(default_factory=list)
     latest_sent: CheckpointEntry | None = None
     return_value: Any = None
     stacks: dict[int, str] = field(default_factory=dict)
@@ -81,12 +83,16 @@ class AttemptEvents:
         listeners: Listeners,
         preemption: Preemption,
         stopping: Stopping,
+        validations: Validations | None = None,
+        rank_reports: UserCallbacks | None = None,
     ) -> None:
         self.make_group = make_group
+        self.rank_reports = rank_reports  # Ray's UserCallbacks: told every rank's metrics of each report
         self.recorder = recorder
         self.listeners = listeners
         self.preemption = preemption
         self.stopping = stopping
+        self.validations = validations
         self._handlers: dict[type, Callable[[Any, Attempt, WorkerGroup], None]] = {
             protocol.Report: self._on_report,
             protocol.CheckpointUploaded: self._on_uploaded,
@@ -124,7 +130,25 @@ class AttemptEvents:
         attempt.commits.writing(writing.dir_name)
 
     def _on_query(self, query: protocol.CheckpointsQuery, attempt: Attempt, group: WorkerGroup) -> None:
-        attempt.queries.append(query)
+        deadline = None if query.timeout_s is None else time.monotonic() + max(0.0, query.timeout_s)
+        attempt.queries.append((query, deadline))
+
+    def time_to_next_check(self, attempt: Attempt) -> float | None:
+        """How long the controller may wait for events before :meth:`check` must run: while a
+        validation runs, or a checkpoints query has a timeout."""
+        now = time.monotonic()
+        waits = [deadline - now for _, deadline in attempt.queries if deadline is not None]
+        if self.validations is not None and (left := self.validations.time_left()) is not None:
+            waits.append(left)
+        return max(0.0, min(waits)) if waits else None
+
+    def check(self, attempt: Attempt, group: WorkerGroup) -> None:
+        """What time alone changes: validations that ended or ran out of time, and checkpoints
+        queries whose wait is over."""
+        if self.validations is not None:
+            self.validations.poll()
+        if attempt.queries:
+            self._answer_queries(attempt, group)
 
     def _on_failed(self, failed: protocol.Failed, attempt: Attempt, group: WorkerGroup) -> None:
         if failed.failure.error_type == HangUp.__name__:  # torchrun passed its SIGHUP to the ranks
@@ -198,12 +222,16 @@ class AttemptEvents:
 
     def _answer_queries(self, attempt: Attempt, group: WorkerGroup) -> None:
         """Answer the get_all_reported_checkpoints() calls whose reports' checkpoints are all
-        committed (an ASYNC upload can keep one waiting)."""
+        committed (an ASYNC upload can keep one waiting) and, for VALIDATED ones, once no
+        validation is pending; or whose timeout has passed."""
         first_pending = attempt.commits.first_pending()
+        validating = self.validations is not None and self.validations.pending
+        now = time.monotonic()
         waiting = []
-        for query in attempt.queries:
-            if first_pending is not None and first_pending < query.before_index:
-                waiting.append(query)
+        for query, deadline in attempt.queries:
+            uncommitted = first_pending is not None and first_pending < query.before_index
+            if (uncommitted or (query.validated and validating)) and (deadline is None or now < deadline):
+                waiting.append((query, deadline))
             else:
                 group.send(query.rank, protocol.ReportedCheckpoints(self._reported_checkpoints()))
         attempt.queries = waiting
@@ -211,8 +239,7 @@ class AttemptEvents:
     def _reported_checkpoints(self) -> list[CheckpointEntry]:
         """The kept checkpoints in Ray Train's order: report order, or worst to best by the
         checkpoint score when CheckpointConfig has a score attribute."""
-        config = dataclasses.replace(self.recorder.checkpoint_config, num_to_keep=None)
-        return best_checkpoints(self.recorder.checkpoints, config)
+        return ranked(self.recorder.checkpoints, self.recorder.checkpoint_config)
 
     def _record(self, index: int, calls: dict[int, protocol.Report], attempt: Attempt) -> None:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
@@ -223,6 +250,8 @@ class AttemptEvents:
         if dir_name is not None:
             attempt.commits.reported(index, dir_name, report["metrics"], calls.values())
             self._commit_ready(attempt)
+        if self.rank_reports is not None:
+            self.rank_reports.after_rank_reports(index, rank_metrics(calls), dir_name is not None)
 
     def _on_uploaded(self, uploaded: protocol.CheckpointUploaded, attempt: Attempt, group: WorkerGroup) -> None:
         failure = attempt.commits.uploaded(uploaded)
@@ -235,9 +264,23 @@ class AttemptEvents:
         """Commit the checkpoints whose uploads all ended, in report order; after each, an
         elastic run that could have more workers now ends the attempt to grow."""
         for index, pending in attempt.commits.ready():
-            self.recorder.commit_checkpoint(pending.dir_name, index, pending.metrics, pending.external_path)
+            entry = self.recorder.commit_checkpoint(
+                pending.dir_name,
+                index,
+                pending.metrics,
+                external_path=pending.external_path,
+                validation=pending.validation,
+            )
+            if self.validations is not None and entry.validation_request is not None:
+                self.validations.submit(entry)
             latest = self.recorder.latest_checkpoint
             assert latest is not None, f"{pending.dir_name} was committed but is not the latest checkpoint"
             self.listeners.on_checkpoint(index, latest)
             self.preemption.committed()
             attempt.liveness.grow_if(self.make_group.can_grow)
+
+
+def rank_metrics(calls: dict[int, protocol.Report]) -> list[dict[str, Any]]:
+    """Every rank's metrics of one report, by rank (every rank sends them when a UserCallback
+    asks for them; a rank that sent none counts as empty)."""
+    return [json.loads(calls[rank].metrics_json or "{}") for rank in sorted(calls)]

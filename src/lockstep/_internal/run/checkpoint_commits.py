@@ -19,12 +19,14 @@ from lockstep.errors import TrainingFailedError, WorkerFailure
 
 @dataclass
 class PendingCheckpoint:
-    """A reported checkpoint whose ASYNC uploads are still running on ``waiting`` ranks."""
+    """A reported checkpoint whose ASYNC uploads are still running on ``waiting`` ranks, and
+    the validation its report asked for (see :class:`~lockstep._internal.wire.protocol.Report`)."""
 
     dir_name: str
     metrics: dict[str, Any]
     waiting: set[int]
     external_path: str | None = None
+    validation: bool | dict[str, Any] | None = None
 
 
 class CheckpointCommits:
@@ -50,7 +52,11 @@ class CheckpointCommits:
         }
         external = next((call.external_path for call in with_checkpoint if call.external_path), None)
         external = external or self.early_external_paths.pop(index, None)
-        self.pending[index] = PendingCheckpoint(dir_name, metrics, uploading, external)
+        # as in Ray Train: the validation asked for by the lowest rank that passed a checkpoint
+        validation = min(with_checkpoint, key=lambda call: call.rank).validation
+        self.pending[index] = PendingCheckpoint(
+            dir_name, metrics, uploading, external_path=external, validation=validation
+        )
 
     def uploaded(self, event: CheckpointUploaded) -> WorkerFailure | None:
         """A rank's ASYNC upload ended; a failed one is returned as the rank's failure."""

@@ -32,6 +32,7 @@ from lockstep._internal.run.preemption import HangUp, Preemption, PreemptionStop
 from lockstep._internal.run.report_barrier import ReportBarrier
 from lockstep._internal.run.run_record import RunRecorder
 from lockstep._internal.run.stopping import Stopping
+from lockstep._internal.run.validation import Validations, ValidationSetup
 from lockstep._internal.run.worker_group import GroupFactory
 from lockstep._internal.wire import protocol
 from lockstep.callbacks import AttemptReason, AttemptStart, RunInfo
@@ -57,6 +58,8 @@ class Controller:
             grace if omitted.
         hang_rule: When ranks that make no progress are a hang (see
             :mod:`lockstep._internal.run.hang_watch`); None: no hang detector.
+        validation: The trainer's validation function and the executor's launcher, when the
+            trainer has a ``validation_config`` (see :mod:`lockstep._internal.run.validation`).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class Controller:
         listeners: Listeners | None = None,
         preemption: Preemption | None = None,
         hang_rule: HangRule | None = None,
+        validation: ValidationSetup | None = None,
     ) -> None:
         self.make_group = make_group
         self.recorder = recorder
@@ -81,12 +85,22 @@ class Controller:
         listeners = listeners or Listeners(RunInfo(storage.name, storage.display_path, recorder.world_size, ""))
         self.listeners = listeners
         self.stopping = Stopping(listeners.run)
+        self.validations = Validations(validation, recorder) if validation is not None else None
+        if validation is None and recorder.pending_validations():
+            logger.warning(
+                "Checkpoints of an earlier run await validation (%s), but this trainer has no validation_config: "
+                "they are kept, unvalidated, until a run of %s with one validates them.",
+                ", ".join(entry.dir_name for entry in recorder.pending_validations()),
+                storage.name,
+            )
         self.events = AttemptEvents(
             make_group=make_group,
             recorder=recorder,
             listeners=listeners,
             preemption=self.preemption,
             stopping=self.stopping,
+            validations=self.validations,
+            rank_reports=listeners.user_callbacks,
         )
 
     @property
@@ -98,6 +112,8 @@ class Controller:
         """Run attempts until one succeeds or failures exceed ``max_failures``."""
         self.listeners.on_run_start()
         try:
+            if self.validations is not None:
+                self.validations.poll()  # an earlier run's pending validations start now
             result = self._run_attempts()
         except KeyboardInterrupt:
             self._finish("interrupted", TrainingFailedError("The run was interrupted (Ctrl-C)."))
@@ -155,6 +171,7 @@ class Controller:
                 assert not attempt.commits.pending, (
                     f"uploads still pending after every rank finished: {attempt.commits.pending}"
                 )
+                self._wait_for_validations()
                 self._finish("finished")
                 return self.recorder.result(attempt.return_value)
             if attempt.outcome is AttemptOutcome.FAILED:
@@ -169,6 +186,7 @@ class Controller:
         self.recorder.count_failure()
         self.listeners.on_failure(error, restarting)
         if not restarting:
+            self._wait_for_validations()
             raise self.restart_policy.final_error(error)
 
     def _stopped(self, attempt: Attempt) -> Result:
@@ -181,6 +199,7 @@ class Controller:
                 self.recorder.storage.name,
                 WorkerGroupError.from_failures(attempt.liveness.failures, self._failure_context()),
             )
+        self._wait_for_validations()
         self._finish(request.status, reason=request.reason)
         return self.recorder.result(attempt.return_value)
 
@@ -188,9 +207,17 @@ class Controller:
         """Record how the run ended, and tell the listeners (also when recording it failed)."""
         self.preemption.finishing = True
         try:
+            if self.validations is not None:
+                self.validations.abort()  # none is left unless the run was cut short
             self.recorder.finish(status, error, reason)
         finally:
             self.listeners.on_run_end(status, error)
+
+    def _wait_for_validations(self) -> None:
+        """As in Ray Train, a run that ends (finished, stopped or failed) first lets its
+        pending validations end; an interrupted or preempted one stops them instead."""
+        if self.validations is not None:
+            self.validations.wait_all()
 
     def _latest_name(self) -> str | None:
         latest = self.recorder.latest_entry()
@@ -231,6 +258,7 @@ class Controller:
             while attempt.outcome is None and not self.preemption.stops_now and not self._gives_up(attempt):
                 for event in group.wait_events(self._time_to_deadline(attempt)):
                     self.events.handle(event, attempt, group)
+                self.events.check(attempt, group)
                 if not attempt.liveness.failures:
                     attempt.liveness.fail(attempt.barrier.overdue())
                 if not attempt.liveness.failures and attempt.hangs is not None:
@@ -259,6 +287,7 @@ class Controller:
             self.preemption.time_left(),
             self.stopping.time_left(bool(attempt.commits.pending)),
             attempt.hangs.time_to_deadline() if attempt.hangs is not None else None,
+            self.events.time_to_next_check(attempt),
         )
         deadlines = [left for left in waits if left is not None]
         return min(deadlines, default=None)

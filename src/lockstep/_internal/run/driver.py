@@ -27,8 +27,9 @@ from lockstep._internal.run.hang_watch import HangRule
 from lockstep._internal.run.preemption import Preemption, driver_signals
 from lockstep._internal.run.run_record import RunRecorder
 from lockstep._internal.run.upkeep import RunUpkeep
+from lockstep._internal.run.validation import ValidationSetup
 from lockstep._internal.run.worker_group import GroupFactory
-from lockstep.callbacks import RunInfo
+from lockstep.callbacks import RunInfo, TrainRunContext
 from lockstep.config import DEFAULT_STORAGE_PATH, RunConfig, ScalingConfig
 from lockstep.result import Result
 
@@ -46,6 +47,9 @@ class RunDriver:
             start from it while the run has no checkpoint of its own).
         config: The run's configuration as its record keeps it (see
             :mod:`lockstep._internal.run.config_record`).
+        run_context: What Ray's UserCallbacks get as ``run_context``.
+        validation: The trainer's validation function and the executor's launcher, if the
+            trainer has a ``validation_config``.
     """
 
     def __init__(
@@ -55,12 +59,16 @@ class RunDriver:
         scaling: ScalingConfig,
         has_resume_checkpoint: bool,
         config: dict[str, Any] | None = None,
+        run_context: TrainRunContext | None = None,
+        validation: ValidationSetup | None = None,
     ) -> None:
         self.storage = storage
         self.run_config = run_config
         self.scaling = scaling
         self.has_resume_checkpoint = has_resume_checkpoint
         self.config = config
+        self.run_context = run_context
+        self.validation = validation
         self.log_dir = storage.local_log_dir()
         self.console: ConsoleMode = run_config.worker_output
 
@@ -97,9 +105,12 @@ class RunDriver:
             max_failures=failure_config.max_failures if restarts else 0,
             has_resume_checkpoint=self.has_resume_checkpoint,
             report_timeout_s=failure_config.report_timeout_s,
-            listeners=listeners_for(self.run_config, run_info, [exporter] if exporter is not None else []),
+            listeners=listeners_for(
+                self.run_config, run_info, [exporter] if exporter is not None else [], self.run_context
+            ),
             preemption=preemption,
             hang_rule=HangRule.from_config(failure_config) if watch_hangs else None,
+            validation=self.validation,
         )
 
     def _open_record(self, storage_path: str, executor: str, exporter: MetricsExporter | None) -> RunRecorder:

@@ -10,12 +10,17 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from lockstep._internal.persist.results import error_to_record, result_fields
 from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
-from lockstep._internal.run.checkpoints import best_checkpoints, checkpoints_to_delete
+from lockstep._internal.run.checkpoints import (
+    PENDING_VALIDATION,
+    awaiting_validation,
+    best_checkpoints,
+    checkpoints_to_delete,
+)
 from lockstep._internal.run.stragglers import RECENT_REPORTS, SlowRankWatch, keeps_step_times
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig
@@ -26,6 +31,19 @@ logger = logging.getLogger(__name__)
 #: The record is rewritten at least this often while the run goes on (its ``heartbeat_at``), so
 #: that a reader on any host can tell a running run from one whose driver is gone.
 HEARTBEAT_INTERVAL_S = 30.0
+
+#: The status of a checkpoint whose validation returned its metrics (``ReportedCheckpointStatus``'s value).
+VALIDATED = "VALIDATED"
+
+
+def _entry_record(entry: CheckpointEntry) -> dict[str, Any]:
+    """A checkpoint as the record lists it; the validation fields only once a validation was
+    asked for (so that the record of a run without validations reads as before)."""
+    fields = asdict(entry)
+    for name in ("validation", "validation_request"):
+        if fields[name] is None:
+            del fields[name]
+    return fields
 
 
 def _now() -> str:
@@ -44,6 +62,14 @@ class RunRecorder:
     ``heartbeat_at``; :meth:`beat`, called from the driver's upkeep thread, rewrites the record
     when nothing else did for :data:`HEARTBEAT_INTERVAL_S` (writes are serialized by a lock, so a
     beat never puts back an older record).
+
+    A checkpoint reported with ``validation=...`` is committed as pending validation, with what
+    was asked, in that same record write; only then does its validation start. When it ends,
+    the record is rewritten with the status (and, once validated, the merged metrics) before
+    any checkpoint it outranks is deleted. A driver that dies in between leaves the checkpoint
+    pending in the record, and the next run of the same name validates it again.
+
+    Creating a recorder only reads storage; :meth:`open` is the first write.
     """
 
     def __init__(
@@ -175,18 +201,51 @@ class RunRecorder:
         return report
 
     def commit_checkpoint(
-        self, dir_name: str, report_index: int, metrics: dict[str, Any], external_path: str | None = None
-    ) -> None:
-        """Make a fully written checkpoint the run's latest."""
+        self,
+        dir_name: str,
+        report_index: int,
+        metrics: dict[str, Any],
+        external_path: str | None = None,
+        validation: bool | dict[str, Any] | None = None,
+    ) -> CheckpointEntry:
+        """Make a fully written checkpoint the run's latest; with a ``validation`` request, it
+        is recorded as pending validation (with the request, so a later run can start it)."""
         entry = CheckpointEntry(dir_name, report_index, metrics, external_path)
+        if validation is not None:
+            entry = replace(entry, validation=PENDING_VALIDATION, validation_request=validation)
         self.checkpoints = [known for known in self.checkpoints if known.dir_name != dir_name] + [entry]
+        self._write_and_retain()
+        logger.debug("committed %s", dir_name)
+        return entry
+
+    def finish_validation(self, dir_name: str, status: str, metrics: dict[str, Any]) -> CheckpointEntry | None:
+        """Record how the validation of checkpoint ``dir_name`` ended: ``status`` (VALIDATED,
+        VALIDATION_FAILED or VALIDATION_TIMEOUT) and, once VALIDATED, its ``metrics`` merged
+        into the checkpoint's (they win). Then checkpoints beyond ``num_to_keep`` go, now that
+        its score is known. Returns the updated entry (None if the record has no such checkpoint)."""
+        for position, entry in enumerate(self.checkpoints):
+            if entry.dir_name == dir_name:
+                merged = {**entry.metrics, **metrics} if status == VALIDATED else entry.metrics
+                updated = replace(entry, metrics=merged, validation=status, validation_request=None)
+                self.checkpoints[position] = updated
+                self._write_and_retain()
+                return updated
+        logger.warning("The validation of %s ended (%s), but the run no longer lists it.", dir_name, status)
+        return None
+
+    def pending_validations(self) -> list[CheckpointEntry]:
+        """The kept checkpoints whose validation has not ended, oldest first."""
+        return [entry for entry in self.checkpoints if awaiting_validation(entry)]
+
+    def _write_and_retain(self) -> None:
+        """Write the record without the checkpoints beyond ``num_to_keep``, then delete their
+        folders (the record never names a deleted folder)."""
         doomed = checkpoints_to_delete(self.checkpoints, self.checkpoint_config)
         self.checkpoints = [known for known in self.checkpoints if known not in doomed]
         self._write_record()
         for old in doomed:
             if old.path is None:
                 self.storage.delete_checkpoint(old.dir_name)
-        logger.debug("committed %s", dir_name)
 
     def count_failure(self) -> None:
         """One more failed attempt (kept in the record across resumed runs)."""
@@ -213,7 +272,7 @@ class RunRecorder:
         self.record.update(
             updated_at=_now(),
             num_reports=len(self.reports),
-            checkpoints=[asdict(entry) for entry in self.checkpoints],
+            checkpoints=[_entry_record(entry) for entry in self.checkpoints],
             latest_checkpoint=self.checkpoints[-1].dir_name if self.checkpoints else None,
             best_checkpoints=[entry.dir_name for entry in best_checkpoints(self.checkpoints, self.checkpoint_config)],
         )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep._internal.rank.step_timing import StepTimes
@@ -65,6 +66,8 @@ class Report:
     :class:`CheckpointUploaded`) or ``"external"`` (NO_UPLOAD: registered where it is, at
     ``external_path``); None when this rank passed no checkpoint. ``step_times``: where the
     rank's time since its previous report went (see :mod:`lockstep._internal.rank.step_timing`).
+    ``validation``: what ``report(validation=...)`` asked for with this rank's checkpoint
+    (True: the defaults; a dict: a ValidationTaskConfig's ``fn_kwargs`` and ``timeout_s``).
     """
 
     rank: int
@@ -74,6 +77,7 @@ class Report:
     checkpoint_state: str | None = None
     external_path: str | None = None
     step_times: StepTimes | None = None
+    validation: bool | dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,13 @@ class Collective:
 @dataclass(frozen=True)
 class CheckpointsQuery:
     """``get_all_reported_checkpoints()``: the rank wants the run's checkpoints once those of
-    every report before ``before_index`` are committed."""
+    every report before ``before_index`` are committed (and, when ``validated``, once no
+    validation is pending), or after ``timeout_s`` as they are then."""
 
     rank: int
     before_index: int
+    validated: bool = False
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
