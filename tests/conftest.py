@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -142,6 +143,23 @@ def tagged_processes_after(deadline: float) -> list[int]:
     while (left := tagged_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+_STACK_HEADER = re.compile(r"^ranks? ([\d, -]+) (?:was|were) still running, here:\n", re.MULTILINE)
+
+
+def stacks_by_rank(message: str) -> dict[int, str]:
+    """The stacks a failure's message shows, by rank: ranks with the same stack share one
+    paragraph (``ranks 0, 2 were still running, here:``), which each of them gets here."""
+    headers = list(_STACK_HEADER.finditer(message))
+    stacks: dict[int, str] = {}
+    for header, following in zip(headers, [*headers[1:], None], strict=True):
+        stack = message[header.end():following.start() if following else len(message)].rstrip("\n")
+        for span in header.group(1).split(", "):
+            first, _, last = span.partition("-")
+            for rank in range(int(first), int(last or first) + 1):
+                stacks[rank] = stack
+    return stacks
 
 
 @contextlib.contextmanager

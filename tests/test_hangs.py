@@ -22,6 +22,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import stacks_by_rank
+
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from lockstep._internal.rank.progress import RankProgress
@@ -234,7 +236,8 @@ def test_a_rank_stuck_in_its_data_loop_is_named_with_every_stack_within_the_thre
     assert "rank 1: Hang: no rank has made progress for" in message
     assert "this rank is in no collective while ranks 0, 2 wait in gloo:all_reduce #" in message
     assert "The hang threshold: 2 s = max(FailureConfig.hang_timeout_s=2" in message
-    stacks = {rank: message.split(f"rank {rank} was still running, here:\n")[1].split("\n\nrank ")[0] for rank in (0, 1, 2)}
+    stacks = stacks_by_rank(message)
+    assert sorted(stacks) == [0, 1, 2], message
     assert "in wait" in stacks[1] and "in train_steps" in stacks[1] and "in backward" not in stacks[1]
     for waiting in (0, 2):
         assert stacks[waiting].startswith("(waiting in torch collective gloo:all_reduce #")

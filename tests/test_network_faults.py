@@ -13,8 +13,10 @@ to end, and check what the error says: the rank, that it is lost, and its host's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -25,13 +27,43 @@ import pytest
 from conftest import REPO_ROOT
 from hosts import Host, HostNetwork, RayCluster, free_port, kill_tree
 
-from lockstep._internal.wire.link_watch import LINK_TIMEOUT_S, STUCK_GRACE_S
+from lockstep._internal.wire.link_watch import LINK_TIMEOUT_S, STUCK_GRACE_S, StalledSends, send_queue_state
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "two_host_fault_job.py")
 README_BOUND_S = LINK_TIMEOUT_S + STUCK_GRACE_S
 FAULT_BOUND_S = README_BOUND_S + 15
 RUN_TIMEOUT_S = 150
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def test_a_send_queue_waiting_without_any_acknowledgement_is_a_lost_link() -> None:
+    """A rank's progress thread may leave data in the send queue when the network is cut, which
+    stops keepalive probes: the watch then goes by the send queue and the acknowledgements."""
+    rule = StalledSends(timeout_s=20)
+    assert not rule.lost(48, 300.0, now=0.0), "just sent on a long-idle connection: one round trip, not a loss"
+    assert not rule.lost(0, 0.0, now=0.5)
+    assert not rule.lost(79, 2.0, now=10.0)  # the cut: data waits from here on, nothing comes back
+    assert not rule.lost(79, 21.0, now=29.0)
+    assert rule.lost(79, 22.5, now=30.5)
+    reader_stopped = StalledSends(timeout_s=20)  # a driver that stops reading: its kernel answers the probes
+    assert not any(reader_stopped.lost(65536, 0.4, now=float(second)) for second in range(120))
+
+
+def test_the_send_queue_is_read_off_a_real_socket() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+        try:
+            assert send_queue_state(sender) == (0, pytest.approx(0.0, abs=1.0))
+            sender.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:  # the receiver never reads: its window closes and the queue fills
+                    sender.send(b"x" * 65536)
+            queued, since_ack_s = send_queue_state(sender)
+            assert queued > 0 and since_ack_s < 5.0
+        finally:
+            sender.close()
+            receiver.close()
 
 
 @pytest.fixture

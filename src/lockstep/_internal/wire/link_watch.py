@@ -14,6 +14,12 @@ group's timeout (30 minutes by default). So:
 - a rank whose channel to the driver is lost while its train function is stuck (typically in
   a collective waiting for a rank on the lost host) ends its own process after
   :data:`STUCK_GRACE_S` (:class:`DriverWatch`): a thread can't interrupt a blocked collective.
+  Keepalive probes only go out on an idle connection, and a rank's progress thread sends now
+  and then: data waiting in the send queue (sent and unacknowledged, or not sendable at all
+  while the interface is down) stops them. So the watch also reads the kernel's counters and
+  counts the link lost when data has waited in the send queue, and nothing at all came back
+  from the driver's kernel, for :data:`LINK_TIMEOUT_S` (:class:`StalledSends`). A driver that
+  stops reading is not lost: its kernel still answers the window probes.
 
 A rank on a lost host, or one that waits for it, therefore ends within
 ``LINK_TIMEOUT_S + STUCK_GRACE_S`` (30 s).
@@ -22,11 +28,15 @@ A rank on a lost host, or one that waits for it, therefore ends within
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import select
 import socket
+import struct
+import termios
 import threading
+import time
 from types import TracebackType
 
 logger = logging.getLogger(__name__)
@@ -41,6 +51,9 @@ LOST_EXIT_CODE = 75
 """The exit code of a rank process that ended itself because its driver was lost."""
 
 _KEEPALIVE_PROBES = 3
+# struct tcp_info (linux/tcp.h): tcpi_last_ack_recv, ms since the last acknowledgement, is the u32 at byte 56
+_TCP_INFO_SIZE = 60
+_LAST_ACK_RECV_AT = 56
 _LOST_ERRNOS = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 
 
@@ -64,6 +77,45 @@ def watch_link(sock: socket.socket, sends_little: bool) -> None:
         option = getattr(socket, name, None)
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def send_queue_state(sock: socket.socket) -> tuple[int, float] | None:
+    """The bytes in ``sock``'s send queue (sent and unacknowledged, or not sent yet) and the
+    seconds since the other end's kernel last acknowledged anything; None where the platform
+    can't tell."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None or not hasattr(termios, "TIOCOUTQ"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_SIZE)
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_SIZE:
+        return None
+    (last_ack_ms,) = struct.unpack_from("I", info, _LAST_ACK_RECV_AT)
+    return queued, last_ack_ms / 1000
+
+
+class StalledSends:
+    """The rule that finds a lost link by its send queue: data has waited there, and no
+    acknowledgement came, for longer than ``timeout_s``, by observations a caller makes now and
+    then (:meth:`lost`). One observation is not enough: right after a send on a connection idle
+    for long, data waits and the last acknowledgement is old, for a round trip."""
+
+    def __init__(self, timeout_s: float = LINK_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._waiting_since: float | None = None
+
+    def lost(self, queued: int, since_ack_s: float, now: float) -> bool:
+        """Whether the link is lost, given the send queue's ``queued`` bytes and the seconds
+        ``since_ack_s`` since the last acknowledgement, observed at ``now`` (monotonic seconds)."""
+        if queued == 0:
+            self._waiting_since = None
+            return False
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return now - self._waiting_since > self.timeout_s and since_ack_s > self.timeout_s
 
 
 def lost_link_cause(error: BaseException, peer: str) -> str | None:
@@ -108,9 +160,14 @@ class DriverWatch:
     def _watch(self) -> None:
         poller = select.poll()
         poller.register(self.fileno, getattr(select, "POLLRDHUP", 0x2000))  # errors and hang-ups always count
-        while not self._done.is_set():
-            if poller.poll(500):
-                break
+        stalled = StalledSends()
+        with socket.socket(fileno=os.dup(self.fileno)) as counters:  # only read for its TCP counters
+            while not self._done.is_set():
+                if poller.poll(500):
+                    break
+                state = send_queue_state(counters)
+                if state is not None and stalled.lost(*state, now=time.monotonic()):
+                    break
         if self._done.wait(self.grace_s):
             return
         logger.error(
