@@ -93,3 +93,26 @@ def test_the_rank_table_of_64_ranks_is_a_few_rows_and_names_the_slow_one() -> No
     assert any(line.strip().startswith("median of 64") for line in lines)
     assert any(line.strip().startswith("rank 17") for line in lines)
     assert lines[-1] == "slowest: rank 17 — data loading, 50% of its step time"
+
+
+DESCRIPTORS_SCRIPT = """
+import os, resource
+from lockstep._internal.descriptors import ensure_descriptors_for, readable_within
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+ensure_descriptors_for(1024)
+raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+read_end, write_end = os.pipe()
+high = os.dup2(read_end, 3000)  # past what select.select can watch
+quiet = readable_within(high, 0.05)
+os.write(write_end, b"x")
+print(raised, hard, quiet, readable_within(high, 1.0))
+"""
+
+
+def test_a_driver_of_1024_ranks_raises_its_open_file_limit_and_waits_on_descriptors_past_1024() -> None:
+    out = subprocess.run([sys.executable, "-c", DESCRIPTORS_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    raised, hard, quiet, readable = out.stdout.split()
+    assert int(raised) >= min(int(hard), 1024 * 4), out.stdout
+    assert (quiet, readable) == ("False", "True")

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep._internal.descriptors import ensure_descriptors_for
 from lockstep._internal.output.worker_output import ConsoleMode, OutputRelay
 from lockstep._internal.run.failures import FailureKind
 from lockstep._internal.run.worker_group import WorkerExited, WorkerGroup
@@ -60,6 +61,7 @@ class WorkerConnections:
     """Accepts the ``world_size`` ranks of one group on ``host``, reads what they send, and answers them."""
 
     def __init__(self, host: str, world_size: int) -> None:
+        ensure_descriptors_for(world_size)
         self.listener = channel.DriverListener(host, world_size)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.listener.fileno(), selectors.EVENT_READ, self.listener)

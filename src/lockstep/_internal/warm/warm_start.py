@@ -17,7 +17,6 @@ import atexit
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -27,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from lockstep._internal.descriptors import readable_within
 from lockstep._internal.warm.preload import preload_modules
 
 logger = logging.getLogger(__name__)
@@ -172,8 +172,7 @@ class WarmProcess:
 
     def _receive(self, deadline: float) -> tuple[dict[str, Any] | None, list[int]]:
         """One message: a reply (returned), or an exit notice (recorded; None returned)."""
-        ready, _, _ = select.select([self._socket], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+        if not readable_within(self._socket, max(0.0, deadline - time.monotonic())):
             raise WarmStartUnavailable("it did not answer in time")
         try:
             data, fds, _, _ = socket.recv_fds(self._socket, MAX_MESSAGE, 4)
@@ -207,14 +206,14 @@ class ForkedRank:
 
     def poll(self) -> int | None:
         """The exit code if the rank has ended, else None."""
-        if self.returncode is None and select.select([self.pidfd], [], [], 0)[0]:
+        if self.returncode is None and readable_within(self.pidfd, 0):
             self._collect()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the rank to end; its exit code."""
         if self.returncode is None:
-            if not select.select([self.pidfd], [], [], timeout)[0]:
+            if not readable_within(self.pidfd, timeout):
                 raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
             self._collect()
         assert self.returncode is not None
