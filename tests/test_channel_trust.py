@@ -70,7 +70,8 @@ def connect_in_thread(connections: WorkerConnections, rank: int, env: dict[str, 
     events = pump(connections, 30, until=lambda _: not thread.is_alive())
     thread.join(30)
     if isinstance(outcome["channel"], channel.WorkerChannel):  # its proof may still be on the way
-        events += pump(connections, 30, until=lambda more: any(isinstance(event, protocol.Hello) for event in more))
+        events += pump(connections, 30,
+                       until=lambda more: any(isinstance(event, protocol.Hello) for event in events + more))
     return outcome["channel"], events
 
 
