@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint bench bench-quick install clean docs
+.PHONY: demo test lint bench bench-quick bench-scale install clean docs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,15 @@ bench-quick: install
 	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)
 	$(PY) benchmarks/timeline.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/dashboard_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/scale_bench.py --quick --results-dir $(RESULTS)
+	$(PY) benchmarks/many_ranks_bench.py --quick --results-dir $(RESULTS)
+	$(PY) benchmarks/tables.py
+
+# make bench-scale: many ranks (benchmarks/README.md, "Many ranks"): the real driver with 64, 256 and
+# 1,024 scripted ranks, then 32 real ranks against torchrun; 5 rounds each, about 45 minutes on 2 CPUs.
+bench-scale: install
+	$(PY) benchmarks/scale_bench.py --ranks 64 256 1024 --rounds 5 --results-dir $(RESULTS)
+	$(PY) benchmarks/many_ranks_bench.py --ranks 32 --rounds 5 --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
 
 # make docs: the documentation site (mkdocs.yml, docs/*.md, the API reference from the docstrings)

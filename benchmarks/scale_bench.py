@@ -194,6 +194,15 @@ def _raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak RSS since it started (``VmHWM``). Not ``ru_maxrss``: Linux carries
+    that over from the parent that forked this process (whose RSS, torch imported, is ~700 MiB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_one_size(args: argparse.Namespace) -> dict[str, Any]:
     """One fit of ``args.one`` scripted ranks; the figures as a dict."""
     from lockstep._internal.persist.storage import RunStorage
@@ -244,7 +253,7 @@ def run_one_size(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("the run ended without the lost rank failing it")
     except TrainingFailedError:
         pass
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_rss_mib = _peak_rss_mib()
     return _figures(size, args, probe, started, stats_dir, Path(driver.log_dir), peak_rss_mib)
 
 

@@ -39,6 +39,8 @@ KINDS = {
     "step": "step_bench.py",
     "payload": "payload_bench.py",
     "dashboard": "dashboard_bench.py",
+    "scale": "scale_bench.py",
+    "many": "many_ranks_bench.py",
 }
 
 
@@ -70,7 +72,7 @@ def source(path: Path, record: dict[str, Any]) -> str:
 def kind_block(kind: str, newest: dict[str, tuple[Path, dict[str, Any]]]) -> str:
     """The block of one script: its source line and the tables it printed."""
     if kind not in newest:
-        return f"_No results of `{KINDS[kind]}` in benchmarks/results/ yet: run `make bench`._"
+        return f"_No results of `{KINDS[kind]}` in benchmarks/results/ yet: run it (the command above)._"
     path, record = newest[kind]
     return f"{source(path, record)}\n\n{record['markdown']}"
 
