@@ -38,6 +38,8 @@ __all__ = [
     "NCCLHangError",
     "PreemptionError",
     "SessionNotActiveError",
+    "StorageFullError",
+    "StorageUnreachableError",
     "TrainingFailedError",
     "WorkerError",
     "WorkerFailure",
@@ -338,3 +340,16 @@ def error_class_named(name: str) -> type[TrainingFailedError]:
 
 class SessionNotActiveError(RuntimeError):
     """A worker-only function (``report``, ``get_context``, …) was called outside a train function."""
+
+
+class StorageFullError(OSError):
+    """The storage has no room for what lockstep was writing (a checkpoint, the run record):
+    the disk or the quota is full. The message says where, and how much was needed; the run
+    record still names the last whole checkpoint, and running again with the same
+    ``RunConfig.name`` once space is freed continues from it. Never retried."""
+
+
+class StorageUnreachableError(OSError):
+    """Storage kept failing with transient errors (connections refused or reset, timeouts,
+    throttling, 5xx) for longer than ``RunConfig.storage_retry_s``. The message says for how
+    long, where, and how to wait longer."""
