@@ -8,7 +8,9 @@ Faults, asked for by the test or, during a run, by a rank through the control po
   begins are reset;
 - after it, every k-th new connection is reset (RST) when the server's first answer on it comes
   back: the request reached the server, the client never hears how it went, as when a load
-  balancer drops a connection.
+  balancer drops a connection;
+- throttling: while ``slow_down`` is set, every request is answered ``503 Slow Down`` with S3's
+  error body, by the proxy (the server never sees it).
 
 Example::
 
@@ -28,6 +30,13 @@ import time
 from types import TracebackType
 
 CHUNK = 65536
+SLOW_DOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+SLOW_DOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 def start_outage(control_port: int, seconds: float, reset_every: int) -> None:
@@ -111,6 +120,7 @@ class FaultProxy:
         self.connections = 0
         self.reset_every = 0
         self.resets = 0
+        self.slow_down = False
         self.outages: list[tuple[float, float | None]] = []
 
     @property
@@ -187,6 +197,9 @@ class FaultProxy:
             self._connect(client)
 
     def _connect(self, client: socket.socket) -> None:
+        if self.slow_down:
+            threading.Thread(target=self._answer_slow_down, args=(client,), daemon=True).start()
+            return
         try:
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
         except OSError:
@@ -199,6 +212,14 @@ class FaultProxy:
             link = _Link(client, upstream, doomed)
             self._links = [*(known for known in self._links if not known._closed.locked()), link]
         link.start()
+
+    @staticmethod
+    def _answer_slow_down(client: socket.socket) -> None:
+        with client, contextlib.suppress(OSError):
+            request = b""
+            while b"\r\n\r\n" not in request and (data := client.recv(CHUNK)):
+                request += data
+            client.sendall(SLOW_DOWN % (len(SLOW_DOWN_BODY), SLOW_DOWN_BODY))
 
     def _serve_control(self) -> None:
         while True:

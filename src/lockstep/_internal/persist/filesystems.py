@@ -134,11 +134,12 @@ def upload_directory(
     for root, _, files in os.walk(local_dir, followlinks=True):
         relative = os.path.relpath(root, local_dir)
         target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
+        shown = shown_path(filesystem, target)
         if local or not is_object_store(filesystem):
-            retry.call(operation, target, functools.partial(filesystem.makedirs, target, exist_ok=True), needed)
+            retry.call(operation, shown, functools.partial(filesystem.makedirs, target, exist_ok=True), needed)
         copy = shutil.copy2 if local else filesystem.put_file
         for name in files:
-            retry.call(operation, target, functools.partial(copy, os.path.join(root, name), join(target, name)), needed)
+            retry.call(operation, shown, functools.partial(copy, os.path.join(root, name), join(target, name)), needed)
 
 
 def download_directory(
@@ -150,17 +151,23 @@ def download_directory(
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
         return
     retry = retry or _DEFAULT_RETRY
-    for remote in retry.call("download_checkpoint", source, functools.partial(filesystem.find, source)):
+    shown = shown_path(filesystem, source)
+    for remote in retry.call("download_checkpoint", shown, functools.partial(filesystem.find, source)):
         relative = remote[len(source.rstrip("/")) + 1 :]
         local = os.path.join(local_dir, *relative.split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        retry.call("download_checkpoint", remote, functools.partial(filesystem.get_file, remote, local))
+        retry.call("download_checkpoint", shown, functools.partial(filesystem.get_file, remote, local))
 
 
 def folder_size(folder: str) -> int:
     """The bytes of the files in a local folder."""
     walked = os.walk(folder, followlinks=True)
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, files in walked for name in files)
+
+
+def shown_path(filesystem: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` as a user writes it: a local path, or a URI (``s3://…``)."""
+    return path if is_local(filesystem) else filesystem.unstrip_protocol(path)
 
 
 def join(*parts: str) -> str:

@@ -52,10 +52,10 @@ class AppendingReportLog(ReportLog):
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         whole = os.fstat(self._fd).st_size
+        left = memoryview(data)
         try:
-            written = os.write(self._fd, data)
-            if written != len(data):
-                raise OSError(f"only {written} of {len(data)} bytes of a report reached {self.path}")
+            while left:
+                left = left[os.write(self._fd, left) :]
         except OSError:
             os.ftruncate(self._fd, whole)  # no torn line stays for the retry to append after
             raise
@@ -107,7 +107,8 @@ class RewritingReportLog(ReportLog):
     def _write(self, lines: list[str]) -> None:
         data = "".join(line + "\n" for line in lines).encode()
         try:
-            self.retry.call("write_reports", self.path, lambda: self.filesystem.pipe_file(self.path, data))
+            shown = self.filesystem.unstrip_protocol(self.path)
+            self.retry.call("write_reports", shown, lambda: self.filesystem.pipe_file(self.path, data))
         except Exception as error:  # noqa: BLE001 - a lost history write must not stop training
             logger.warning("could not write the report history %s: %s", self.path, error)
         with self._changed:

@@ -240,7 +240,7 @@ def full_message(operation: str, where: str, error: BaseException, needed_bytes:
         with contextlib.suppress(OSError):
             needed = needed_bytes()
     free = free_bytes(where)
-    amounts = [f"it needed {readable_size(needed)}" if needed is not None else ""]
+    amounts = [f"what was being written needs {readable_size(needed)}" if needed is not None else ""]
     amounts.append(f"{readable_size(free)} free there now" if free is not None else "")
     said = ", ".join(amount for amount in amounts if amount)
     return (

@@ -35,6 +35,7 @@ from lockstep._internal.persist.filesystems import (
     join,
     make_temp_dir,
     resolve_filesystem,
+    shown_path,
     upload_directory,
 )
 from lockstep._internal.persist.report_log import AppendingReportLog, ReportLog, RewritingReportLog, complete_lines
@@ -191,7 +192,7 @@ class RunStorage:
             if self.filesystem.exists(path):
                 self.filesystem.rm(path, recursive=True)
 
-        self.retry.call("delete_checkpoint", path, delete)
+        self.retry.call("delete_checkpoint", shown_path(self.filesystem, path), delete)
 
     def delete_unfinished_checkpoints(self, committed: set[str]) -> list[str]:
         """Delete folders named like lockstep's checkpoints that the record doesn't name
@@ -213,7 +214,8 @@ class RunStorage:
     def has_record(self) -> bool:
         """Whether the run record exists (workers check this to see they share the driver's storage)."""
         self.refresh()
-        return self.retry.call("read_record", self.run_path, lambda: self.filesystem.exists(self.path_of(RECORD_FILE)))
+        target = self.path_of(RECORD_FILE)
+        return self.retry.call("read_record", self.display_path, lambda: self.filesystem.exists(target))
 
     # -- worker logs ---------------------------------------------------------------------------
 
@@ -239,7 +241,8 @@ class RunStorage:
         data = json.dumps(record, indent=1, sort_keys=True)
         target = self.path_of(RECORD_FILE)
         write = self._replace_local_file if is_local(self.filesystem) else self._put_remote_file
-        self.retry.call("write_record", target, lambda: write(target, data), lambda: len(data.encode()))
+        shown = shown_path(self.filesystem, target)
+        self.retry.call("write_record", shown, lambda: write(target, data), lambda: len(data.encode()))
 
     def _replace_local_file(self, target: str, data: str) -> None:
         os.makedirs(self.run_path, exist_ok=True)
@@ -263,7 +266,7 @@ class RunStorage:
     def read_record(self) -> dict[str, Any] | None:
         """The run record, or None when the folder holds no run yet."""
         self.refresh()
-        return self.retry.call("read_record", self.path_of(RECORD_FILE), self._read_record)
+        return self.retry.call("read_record", shown_path(self.filesystem, self.path_of(RECORD_FILE)), self._read_record)
 
     def _read_record(self) -> dict[str, Any] | None:
         target = self.path_of(RECORD_FILE)
@@ -280,7 +283,9 @@ class RunStorage:
 
     def read_reports(self) -> list[dict[str, Any]]:
         """Every recorded report, oldest first (a torn last line, from a crash, is skipped)."""
-        return self.retry.call("read_reports", self.path_of(REPORTS_FILE), self._read_reports)
+        return self.retry.call(
+            "read_reports", shown_path(self.filesystem, self.path_of(REPORTS_FILE)), self._read_reports
+        )
 
     def _read_reports(self) -> list[dict[str, Any]]:
         target = self.path_of(REPORTS_FILE)
