@@ -103,7 +103,9 @@ class RunRecorder:
             ValueError: the latest checkpoint's folder is missing.
         """
         latest = self.latest_checkpoint
-        if latest is not None and not latest.filesystem.exists(latest.path):
+        if latest is None:
+            return
+        if not self.storage.retry.call("read_record", latest.uri, lambda: latest.filesystem.exists(latest.path)):
             raise ValueError(
                 f"The run {self.storage.display_path} lists {self.checkpoints[-1].dir_name} as its latest "
                 f"checkpoint, but {latest.path} is missing. Restore that folder, or start a new run (another "
