@@ -10,6 +10,11 @@ precisely one of its two kinds:
 - :class:`PreemptionError`: the run stopped after a preemption notice (SIGTERM); run the same
   command again to continue from its latest checkpoint.
 
+Storage that fails raises :class:`StorageFullError` (no space left) or
+:class:`StorageUnreachableError` (transient errors past ``RunConfig.storage_retry_s``) where it
+fails: in ``report()`` on a rank (and ``fit()`` raises a ``TrainingFailedError`` naming it), or
+in the driver, or when a ``Checkpoint`` or ``Result`` is read outside a run.
+
 Example:
     >>> import lockstep
     >>> try:

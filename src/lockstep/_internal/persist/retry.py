@@ -221,7 +221,10 @@ class StorageRetry:
         else:
             logger.warning("Storage still unreachable after %.1f s: giving up.", outage.lasted_s)
         if self.on_outage_end is not None:
-            self.on_outage_end(outage)
+            try:
+                self.on_outage_end(outage)
+            except Exception as error:  # noqa: BLE001 - telling of an outage must not fail the operation
+                logger.debug("could not pass on a storage outage: %s", error)
 
     def _unreachable_message(self, operation: _Operation, error: Exception, waited: float) -> str:
         return (
