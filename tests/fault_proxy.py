@@ -87,6 +87,10 @@ class _Link:
             pass
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.locked()
+
     def reset(self) -> None:
         """Drop the connection: a RST to the client."""
         if self._closed.acquire(blocking=False):
@@ -210,7 +214,7 @@ class FaultProxy:
             doomed = self.reset_every > 0 and self.connections % self.reset_every == 0
             self.resets += doomed
             link = _Link(client, upstream, doomed)
-            self._links = [*(known for known in self._links if not known._closed.locked()), link]
+            self._links = [*(known for known in self._links if not known.closed), link]
         link.start()
 
     @staticmethod

@@ -6,7 +6,6 @@ full disk is a small tmpfs mounted for the test (tests/storage_faults.py).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import random
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep import Checkpoint, Result, RunConfig, ScalingConfig, StorageFullError, TrainingFailedError
+from lockstep import Checkpoint, FailureConfig, Result, RunConfig, ScalingConfig, StorageFullError, TrainingFailedError
 from lockstep._internal.persist.fault_kinds import FaultKind, classify
 from lockstep._internal.persist.outages import add_outage, outages_line
 from lockstep._internal.persist.report_log import AppendingReportLog
@@ -120,7 +119,8 @@ def test_errors_of_real_clients_are_classified(proxied_s3: FaultProxy, small_dis
         transient["pyarrow, SlowDown"] = raised(lambda: pyarrow_put(one_try_pyarrow(proxied_s3.url), "runs/a"))
     finally:
         proxied_s3.slow_down = False
-    answer = {"Error": {"Code": "AccessDenied", "Message": "Access Denied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+    answer = {"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+              "ResponseMetadata": {"HTTPStatusCode": 403}}
     permanent = {
         "s3fs, no such bucket": raised(lambda: one_try_s3fs(proxied_s3.url).pipe_file("no-such-bucket/a", b"x")),
         "pyarrow, no such bucket": raised(lambda: pyarrow_put(one_try_pyarrow(proxied_s3.url), "no-such-bucket/a")),
@@ -270,10 +270,13 @@ def test_a_two_worker_run_rides_out_an_outage_and_resets(
     config = {"steps": 8, "outage_at": 1, "outage_s": 15, "async_steps": [1, 2, 3, 6],
               "control_port": proxied_s3.control_port}
     before = retry_counts()
+    # ranks retrying for 15 s are making progress: a 6 s hang threshold must not fire
+    hang_after_6_s = FailureConfig(hang_timeout_s=6, hang_first_step_timeout_s=6)
     with caplog.at_level(logging.WARNING, logger=RETRY_LOGGER):
         result = TorchTrainer(train_through_an_outage, train_loop_config=config,
                               scaling_config=ScalingConfig(num_workers=2),
-                              run_config=RunConfig(name="outage", storage_path="s3://runs/faults")).fit()
+                              run_config=RunConfig(name="outage", storage_path="s3://runs/faults",
+                                                   failure_config=hang_after_6_s)).fit()
     (outage_start, outage_end), = proxied_s3.outages
     assert outage_end is not None and proxied_s3.resets > 0, "the outage and the resets happened"
     history = result.metrics_dataframe
@@ -330,7 +333,8 @@ def test_a_full_disk_ends_the_run_naming_it_and_a_rerun_continues(small_disk: Pa
         trainer.fit()
     message = str(raised.value)
     assert "StorageFullError" in message and "the storage is full: writing checkpoint files at" in message, message
-    assert str(small_disk / "full" / "checkpoint_000002") in message and "what was being written needs 1.0 MiB" in message, message
+    assert str(small_disk / "full" / "checkpoint_000002") in message, message
+    assert "what was being written needs 1.0 MiB" in message, message
     run = small_disk / "full"
     recorded = Result.from_path(run)
     assert recorded.checkpoint is not None and recorded.checkpoint.path == str(run / "checkpoint_000001")
@@ -345,3 +349,39 @@ def test_a_full_disk_ends_the_run_naming_it_and_a_rerun_continues(small_disk: Pa
     assert list(resumed.metrics_dataframe["report_index"]) == [0, 1, 2, 3]
     with resumed.checkpoint.as_directory() as folder:
         assert Path(folder, "rank0.bin").read_bytes() == payload(3, 0, 2**20)
+
+
+def resume_through_an_outage(config: dict) -> None:
+    """Save one checkpoint; run again, each rank reads it back while storage is down."""
+    rank = lockstep.get_context().get_world_rank()
+    start = lockstep.get_checkpoint()
+    if start is None:
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, f"rank{rank}.bin").write_bytes(payload(0, rank))
+            lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(folder))
+        return
+    if rank == 0:
+        with socket.create_connection(("127.0.0.1", config["control_port"])) as control:
+            control.sendall(f"outage {config['outage_s']} 0\n".encode())
+            assert control.makefile().readline().strip() == "ok"
+    from lockstep.collective import barrier
+
+    barrier()  # both ranks read while storage is down
+    lockstep.report({"step": 1, "resumed_whole": whole(start, 0)})
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_reads_its_checkpoint_through_an_outage_without_being_named_hung(
+    proxied_s3: FaultProxy,
+) -> None:
+    # longer than botocore's own retries can span (4 waits, under 1 + 2 + 4 + 8 s): lockstep's own retry rides it out
+    config = {"control_port": proxied_s3.control_port, "outage_s": 15}
+    run_config = RunConfig(name="resume", storage_path="s3://runs/faults",
+                           failure_config=FailureConfig(hang_timeout_s=4, hang_first_step_timeout_s=4))
+    for _ in range(2):
+        result = TorchTrainer(resume_through_an_outage, train_loop_config=config,
+                              scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+    assert result.metrics == {"step": 1, "resumed_whole": True}
+    record = json.loads(result.filesystem.cat_file("runs/faults/resume/lockstep_run.json"))
+    outages = record["storage_outages"]
+    assert outages["count"] == 1 and outages["recent"][0]["seen_by"] == ["rank 0", "rank 1"], outages

@@ -21,8 +21,9 @@ failing any more: one WARNING line when it begins and one when it ends (however 
 took), each retry counted for the metrics (:func:`count_retry`), and the outage handed to
 ``on_outage_end`` (the driver puts it in the run record; a rank sends it to the driver). An
 operation that failed because it began before the last outage ended joins no new outage.
-While an operation is being retried on a rank, the rank is making progress for the hang
-detector (the waits are wrapped in the marker :func:`mark_waits_with` sets).
+While a storage operation goes on (tried, retried, waited for) on a rank, the rank is making
+progress for the hang detector (each operation is wrapped in the marker :func:`mark_waits_with`
+sets): the client library's own retries inside one attempt can take seconds.
 """
 
 from __future__ import annotations
@@ -143,11 +144,12 @@ class StorageRetry:
             Exception: a permanent error, as ``action`` raised it.
         """
         started = time.monotonic()
-        try:
-            return action()
-        except Exception as error:  # noqa: BLE001 - classified below: only transient ones are retried
-            failure = error
-        return self._retry(_Operation(operation, where, needed_bytes), action, failure, started)
+        with _wait_marker():  # the client library's own retries, inside the first attempt, take time too
+            try:
+                return action()
+            except Exception as error:  # noqa: BLE001 - classified below: only transient ones are retried
+                failure = error
+            return self._retry(_Operation(operation, where, needed_bytes), action, failure, started)
 
     def _retry(self, operation: _Operation, action: Callable[[], T], failure: Exception, started: float) -> T:
         self._raise_unless_transient(failure, operation)
@@ -155,8 +157,7 @@ class StorageRetry:
         with self._lock:
             self._failing += 1
         try:
-            with _wait_marker():
-                result = self._retry_loop(operation, action, failure, started)
+            result = self._retry_loop(operation, action, failure, started)
             recovered = True
             return result
         finally:
