@@ -17,6 +17,7 @@ from typing import Any
 
 from lockstep._internal.output.metrics_text import metrics_text
 from lockstep._internal.persist.filesystems import join, resolve_filesystem
+from lockstep._internal.persist.outages import outages_line
 from lockstep._internal.persist.results import history_row, result_fields
 from lockstep._internal.persist.run_status import shown_status
 from lockstep._internal.persist.storage import RECORD_FILE, RunStorage
@@ -99,6 +100,7 @@ def run_summary(stored: StoredRun, all_rows: bool = False) -> str:
         f"reports:      {len(result.metrics_history)}   failures: {result.num_failures}",
         f"checkpoints:  {len(record.get('checkpoints', []))} kept; "
         f"latest: {result.checkpoint.path if result.checkpoint else '-'}",
+        *([f"storage:      {outages}"] if (outages := outages_line(record)) else []),
         "",
     ]
     frame = result.metrics_dataframe

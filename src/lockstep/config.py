@@ -289,6 +289,15 @@ class RunConfig:
             ``metrics_url``). ``None`` (the default) reads ``LOCKSTEP_METRICS_PORT``, and
             leaves the metrics off when that is unset. Needs ``pip install 'lockstep[metrics]'``
             (a lockstep addition; see the Dashboard and metrics page of the docs).
+        storage_retry_s: How long, in seconds, a storage operation (writing or reading checkpoint
+            files, the run record or the report history) is retried while it fails with
+            transient errors: connections refused or reset, timeouts, DNS failures, throttling
+            (``SlowDown``) and 5xx answers of an object store. Retries back off exponentially, with
+            jitter; one warning is logged when an outage begins and one when it ends, and
+            ``lockstep show`` prints the time lost. Permanent errors (no such bucket, access
+            denied, not found) fail at once, and a full disk raises
+            :class:`lockstep.StorageFullError`. Default 300 (five minutes); 0 never retries (a
+            lockstep addition; see the Checkpoints page of the docs).
         sync_config, progress_reporter, worker_runtime_env: Ray fields without an equivalent
             here; only None (or an empty ``worker_runtime_env``) is accepted, anything else
             raises a ValueError that says what to use.
@@ -310,9 +319,11 @@ class RunConfig:
     progress_reporter: Any = None
     worker_runtime_env: dict[str, Any] | None = None
     metrics_port: int | None = None
+    storage_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
         config_checks.check_metrics_port(self.metrics_port, "RunConfig.metrics_port")
+        config_checks.check_storage_retry_s(self.storage_retry_s)
         config_checks.check_v1_run_fields(
             stop=self.stop,
             log_to_file=self.log_to_file,

@@ -10,6 +10,11 @@ precisely one of its two kinds:
 - :class:`PreemptionError`: the run stopped after a preemption notice (SIGTERM); run the same
   command again to continue from its latest checkpoint.
 
+Storage that fails raises :class:`StorageFullError` (no space left) or
+:class:`StorageUnreachableError` (transient errors past ``RunConfig.storage_retry_s``) where it
+fails: in ``report()`` on a rank (and ``fit()`` raises a ``TrainingFailedError`` naming it), or
+in the driver, or when a ``Checkpoint`` or ``Result`` is read outside a run.
+
 Example:
     >>> import lockstep
     >>> try:
@@ -38,6 +43,8 @@ __all__ = [
     "NCCLHangError",
     "PreemptionError",
     "SessionNotActiveError",
+    "StorageFullError",
+    "StorageUnreachableError",
     "TrainingFailedError",
     "WorkerError",
     "WorkerFailure",
@@ -338,3 +345,16 @@ def error_class_named(name: str) -> type[TrainingFailedError]:
 
 class SessionNotActiveError(RuntimeError):
     """A worker-only function (``report``, ``get_context``, …) was called outside a train function."""
+
+
+class StorageFullError(OSError):
+    """The storage has no room for what lockstep was writing (a checkpoint, the run record):
+    the disk or the quota is full. The message says where, and how much was needed; the run
+    record still names the last whole checkpoint, and running again with the same
+    ``RunConfig.name`` once space is freed continues from it. Never retried."""
+
+
+class StorageUnreachableError(OSError):
+    """Storage kept failing with transient errors (connections refused or reset, timeouts,
+    throttling, 5xx) for longer than ``RunConfig.storage_retry_s``. The message says for how
+    long, where, and how to wait longer."""

@@ -132,7 +132,9 @@ class DataParallelTrainer:
     def _run_storage(self, name: str) -> RunStorage:
         storage_path = os.fspath(self.run_config.storage_path or DEFAULT_STORAGE_PATH)
         with storage_errors(storage_path):
-            return RunStorage.for_run(storage_path, name, self.run_config.storage_filesystem)
+            return RunStorage.for_run(
+                storage_path, name, self.run_config.storage_filesystem, self.run_config.storage_retry_s
+            )
 
     def _job(self, storage: RunStorage) -> TrainJob:
         """What every rank runs."""

@@ -233,6 +233,19 @@ def check_metrics_port(port: Any, where: str) -> None:
         )
 
 
+def check_storage_retry_s(value: Any) -> None:
+    """``RunConfig.storage_retry_s``: a finite number of seconds >= 0.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"RunConfig.storage_retry_s must be a number of seconds >= 0: how long lockstep retries a storage "
+            f"operation that fails with transient errors (default 300; 0 never retries); got {value!r}."
+        )
+
+
 def check_hang_settings(timeout_s: Any, step_multiple: Any, first_step_timeout_s: Any) -> None:
     """``FailureConfig``'s hang detector settings: seconds > 0 (or None: off), a multiple >= 1."""
     for name, value in (("hang_timeout_s", timeout_s), ("hang_first_step_timeout_s", first_step_timeout_s)):

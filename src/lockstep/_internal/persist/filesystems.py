@@ -3,6 +3,7 @@ local disk and remote storage. The layer below both the run folder (storage.py) 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -12,6 +13,19 @@ from typing import Any
 import fsspec
 from fsspec.implementations.arrow import ArrowFSWrapper
 from fsspec.implementations.local import LocalFileSystem
+
+from lockstep._internal.persist.retry import StorageRetry
+
+#: The retrying of storage operations that no run storage names (``Checkpoint.to_directory()``
+#: & co.); on a rank, its run's (see :func:`use_retry_by_default`).
+_DEFAULT_RETRY = StorageRetry()
+
+
+def use_retry_by_default(retry: StorageRetry) -> None:
+    """Retry this process's checkpoint reads that name no run (a rank reading the checkpoint it
+    resumes from) as ``retry`` does: with its bound, in its outages."""
+    global _DEFAULT_RETRY
+    _DEFAULT_RETRY = retry
 
 
 def resolve_filesystem(path: str | os.PathLike[str], filesystem: Any = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -99,30 +113,61 @@ def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
     return isinstance(filesystem, LocalFileSystem)
 
 
-def upload_directory(local_dir: str, filesystem: fsspec.AbstractFileSystem, destination: str) -> None:
-    """Copy a local folder's files into ``destination`` on ``filesystem`` (merging with what is there)."""
-    if is_local(filesystem):
-        shutil.copytree(local_dir, destination, dirs_exist_ok=True)
-        return
-    for root, _, files in os.walk(local_dir):
+def upload_directory(
+    local_dir: str,
+    filesystem: fsspec.AbstractFileSystem,
+    destination: str,
+    retry: StorageRetry | None = None,
+    operation: str = "upload_checkpoint",
+) -> None:
+    """Copy a local folder's files into ``destination`` on ``filesystem`` (merging with what is
+    there), one file at a time, each retried through ``retry`` (see
+    :mod:`lockstep._internal.persist.retry`; a default one when None).
+
+    Raises:
+        StorageFullError: no space left for the files.
+        StorageUnreachableError: storage kept failing past the retry bound.
+    """
+    retry = retry or _DEFAULT_RETRY
+    needed = functools.partial(folder_size, local_dir)
+    local = is_local(filesystem)
+    for root, _, files in os.walk(local_dir, followlinks=True):
         relative = os.path.relpath(root, local_dir)
         target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
-        if not is_object_store(filesystem):
-            filesystem.makedirs(target, exist_ok=True)
+        shown = shown_path(filesystem, target)
+        if local or not is_object_store(filesystem):
+            retry.call(operation, shown, functools.partial(filesystem.makedirs, target, exist_ok=True), needed)
+        copy = shutil.copy2 if local else filesystem.put_file
         for name in files:
-            filesystem.put_file(os.path.join(root, name), join(target, name))
+            retry.call(operation, shown, functools.partial(copy, os.path.join(root, name), join(target, name)), needed)
 
 
-def download_directory(filesystem: fsspec.AbstractFileSystem, source: str, local_dir: str) -> None:
-    """Copy the folder ``source`` on ``filesystem`` into the local folder ``local_dir``."""
+def download_directory(
+    filesystem: fsspec.AbstractFileSystem, source: str, local_dir: str, retry: StorageRetry | None = None
+) -> None:
+    """Copy the folder ``source`` on ``filesystem`` into the local folder ``local_dir`` (each
+    remote listing and file retried through ``retry``; a default one when None)."""
     if is_local(filesystem):
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
         return
-    for remote in filesystem.find(source):
+    retry = retry or _DEFAULT_RETRY
+    shown = shown_path(filesystem, source)
+    for remote in retry.call("download_checkpoint", shown, functools.partial(filesystem.find, source)):
         relative = remote[len(source.rstrip("/")) + 1 :]
         local = os.path.join(local_dir, *relative.split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        filesystem.get_file(remote, local)
+        retry.call("download_checkpoint", shown, functools.partial(filesystem.get_file, remote, local))
+
+
+def folder_size(folder: str) -> int:
+    """The bytes of the files in a local folder."""
+    walked = os.walk(folder, followlinks=True)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, files in walked for name in files)
+
+
+def shown_path(filesystem: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` as a user writes it: a local path, or a URI (``s3://…``)."""
+    return path if is_local(filesystem) else filesystem.unstrip_protocol(path)
 
 
 def join(*parts: str) -> str:

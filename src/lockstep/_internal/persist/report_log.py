@@ -1,14 +1,20 @@
 """The run's report history, ``reports.jsonl``: appended line by line on local disk, rewritten
-whole (from a thread, so a report never waits for the object store) on other filesystems."""
+whole (from a thread, so a report never waits for the object store) on other filesystems.
+Writes are retried through the run's :class:`~lockstep._internal.persist.retry.StorageRetry`,
+and a retried write never records a report twice: a rewrite replaces the whole file, and a
+failed append is cut back to the last whole line before it is tried again."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import fsspec
+
+from lockstep._internal.persist.retry import StorageRetry
 
 logger = logging.getLogger(__name__)
 
@@ -31,31 +37,49 @@ class ReportLog:
 
 
 class AppendingReportLog(ReportLog):
-    """On local disk: each line is appended and flushed at once (microseconds)."""
+    """On local disk: each line is appended at once (one ``write``, microseconds)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, retry: StorageRetry | None = None) -> None:
         self.path = path
-        self._handle: Any = None
+        self.retry = retry or StorageRetry()
+        self._fd: int | None = None
 
     def append(self, line: str) -> None:
-        if self._handle is None:
-            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run, closed by close()
-        self._handle.write(line + "\n")
-        self._handle.flush()
+        data = (line + "\n").encode()
+        self.retry.call("write_reports", self.path, lambda: self._append(data), lambda: len(data))
+
+    def _append(self, data: bytes) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        whole = os.fstat(self._fd).st_size
+        left = memoryview(data)
+        try:
+            while left:
+                left = left[os.write(self._fd, left) :]
+        except OSError:
+            os.ftruncate(self._fd, whole)  # no torn line stays for the retry to append after
+            raise
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class RewritingReportLog(ReportLog):
     """On object stores, which can't append: a background thread rewrites the whole file
     whenever lines were added, so ``report()`` never waits for a round trip to the store."""
 
-    def __init__(self, filesystem: fsspec.AbstractFileSystem, path: str, existing_lines: list[str]) -> None:
+    def __init__(
+        self,
+        filesystem: fsspec.AbstractFileSystem,
+        path: str,
+        existing_lines: list[str],
+        retry: StorageRetry | None = None,
+    ) -> None:
         self.filesystem = filesystem
         self.path = path
+        self.retry = retry or StorageRetry()
         self._lines = list(existing_lines)
         self._written = len(existing_lines)
         self._changed = threading.Condition()
@@ -81,8 +105,10 @@ class RewritingReportLog(ReportLog):
             self._write(lines)
 
     def _write(self, lines: list[str]) -> None:
+        data = "".join(line + "\n" for line in lines).encode()
         try:
-            self.filesystem.pipe_file(self.path, "".join(line + "\n" for line in lines).encode())
+            shown = self.filesystem.unstrip_protocol(self.path)
+            self.retry.call("write_reports", shown, lambda: self.filesystem.pipe_file(self.path, data))
         except Exception as error:  # noqa: BLE001 - a lost history write must not stop training
             logger.warning("could not write the report history %s: %s", self.path, error)
         with self._changed:

@@ -35,9 +35,11 @@ from lockstep._internal.persist.filesystems import (
     join,
     make_temp_dir,
     resolve_filesystem,
+    shown_path,
     upload_directory,
 )
 from lockstep._internal.persist.report_log import AppendingReportLog, ReportLog, RewritingReportLog, complete_lines
+from lockstep._internal.persist.retry import DEFAULT_RETRY_S, StorageRetry
 from lockstep.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -132,17 +134,24 @@ class RunStorage:
     """The run folder ``<storage_path>/<name>`` and the operations on it.
 
     Picklable: the driver creates it, and workers get a copy to write their checkpoint files.
+    Every operation on storage is retried through ``retry`` while its errors are transient, for
+    up to ``retry_s`` (``RunConfig.storage_retry_s``; see :mod:`lockstep._internal.persist.retry`).
     """
 
-    def __init__(self, run_path: str | os.PathLike[str], filesystem: Any = None) -> None:
+    def __init__(
+        self, run_path: str | os.PathLike[str], filesystem: Any = None, retry_s: float = DEFAULT_RETRY_S
+    ) -> None:
         self.filesystem, self.run_path = resolve_filesystem(run_path, filesystem)
         self.name = self.run_path.rstrip("/").rsplit("/", 1)[-1]
+        self.retry = StorageRetry(retry_s)
 
     @classmethod
-    def for_run(cls, storage_path: str, name: str, filesystem: Any = None) -> RunStorage:
+    def for_run(
+        cls, storage_path: str, name: str, filesystem: Any = None, retry_s: float = DEFAULT_RETRY_S
+    ) -> RunStorage:
         """The run folder ``name`` under ``storage_path``."""
         fs, base = resolve_filesystem(storage_path, filesystem)
-        return cls(join(base, name), fs)
+        return cls(join(base, name), fs, retry_s)
 
     @property
     def display_path(self) -> str:
@@ -173,13 +182,17 @@ class RunStorage:
 
     def write_checkpoint(self, local_dir: str, dir_name: str) -> None:
         """Copy one rank's checkpoint files into the folder of ``dir_name``."""
-        upload_directory(local_dir, self.filesystem, self.checkpoint_path(dir_name))
+        upload_directory(local_dir, self.filesystem, self.checkpoint_path(dir_name), self.retry)
 
     def delete_checkpoint(self, dir_name: str) -> None:
         """Remove a checkpoint folder (after the record no longer names it)."""
         path = self.checkpoint_path(dir_name)
-        if self.filesystem.exists(path):
-            self.filesystem.rm(path, recursive=True)
+
+        def delete() -> None:
+            if self.filesystem.exists(path):
+                self.filesystem.rm(path, recursive=True)
+
+        self.retry.call("delete_checkpoint", shown_path(self.filesystem, path), delete)
 
     def delete_unfinished_checkpoints(self, committed: set[str]) -> list[str]:
         """Delete folders named like lockstep's checkpoints that the record doesn't name
@@ -201,7 +214,8 @@ class RunStorage:
     def has_record(self) -> bool:
         """Whether the run record exists (workers check this to see they share the driver's storage)."""
         self.refresh()
-        return self.filesystem.exists(self.path_of(RECORD_FILE))
+        target = self.path_of(RECORD_FILE)
+        return self.retry.call("read_record", self.display_path, lambda: self.filesystem.exists(target))
 
     # -- worker logs ---------------------------------------------------------------------------
 
@@ -215,7 +229,9 @@ class RunStorage:
     def upload_logs(self, local_dir: str) -> None:
         """Copy worker logs from a local folder into the run folder's ``logs/`` (remote storage)."""
         if not is_local(self.filesystem):
-            upload_directory(local_dir, self.filesystem, self.path_of("logs"))
+            upload_directory(
+                local_dir, self.filesystem, self.path_of("logs"), retry=self.retry, operation="upload_logs"
+            )
             shutil.rmtree(local_dir, ignore_errors=True)
 
     # -- the record and the report history ----------------------------------------------------
@@ -224,22 +240,35 @@ class RunStorage:
         """Replace ``lockstep_run.json`` atomically: a reader sees the old record or the new one."""
         data = json.dumps(record, indent=1, sort_keys=True)
         target = self.path_of(RECORD_FILE)
-        if is_local(self.filesystem):
-            os.makedirs(self.run_path, exist_ok=True)
-            temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        write = self._replace_local_file if is_local(self.filesystem) else self._put_remote_file
+        shown = shown_path(self.filesystem, target)
+        self.retry.call("write_record", shown, lambda: write(target, data), lambda: len(data.encode()))
+
+    def _replace_local_file(self, target: str, data: str) -> None:
+        os.makedirs(self.run_path, exist_ok=True)
+        temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        try:
             with open(temporary, "w", encoding="utf-8") as handle:
                 handle.write(data[: len(data) // 2])
                 _crash_test_gate(handle)
                 handle.write(data[len(data) // 2 :])
             os.replace(temporary, target)
-        else:
-            if not is_object_store(self.filesystem):
-                self.filesystem.makedirs(self.run_path, exist_ok=True)
-            self.filesystem.pipe_file(target, data.encode())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)  # a full disk must not keep a half-written copy
+            raise
+
+    def _put_remote_file(self, target: str, data: str) -> None:
+        if not is_object_store(self.filesystem):
+            self.filesystem.makedirs(self.run_path, exist_ok=True)
+        self.filesystem.pipe_file(target, data.encode())
 
     def read_record(self) -> dict[str, Any] | None:
         """The run record, or None when the folder holds no run yet."""
         self.refresh()
+        return self.retry.call("read_record", shown_path(self.filesystem, self.path_of(RECORD_FILE)), self._read_record)
+
+    def _read_record(self) -> dict[str, Any] | None:
         target = self.path_of(RECORD_FILE)
         if not self.filesystem.exists(target):
             return None
@@ -249,11 +278,16 @@ class RunStorage:
     def open_report_log(self, existing_lines: list[str]) -> ReportLog:
         """The report history of this run, to append to; ``existing_lines`` are already in it."""
         if is_local(self.filesystem):
-            return AppendingReportLog(self.path_of(REPORTS_FILE))
-        return RewritingReportLog(self.filesystem, self.path_of(REPORTS_FILE), existing_lines)
+            return AppendingReportLog(self.path_of(REPORTS_FILE), self.retry)
+        return RewritingReportLog(self.filesystem, self.path_of(REPORTS_FILE), existing_lines, self.retry)
 
     def read_reports(self) -> list[dict[str, Any]]:
         """Every recorded report, oldest first (a torn last line, from a crash, is skipped)."""
+        return self.retry.call(
+            "read_reports", shown_path(self.filesystem, self.path_of(REPORTS_FILE)), self._read_reports
+        )
+
+    def _read_reports(self) -> list[dict[str, Any]]:
         target = self.path_of(REPORTS_FILE)
         if not self.filesystem.exists(target):
             return []

@@ -23,6 +23,7 @@ from lockstep._internal.rank.progress import PROGRESS
 from lockstep._internal.wire import protocol
 from lockstep._internal.wire.channel import WorkerChannel
 from lockstep.checkpoint import Checkpoint
+from lockstep.errors import StorageFullError, StorageUnreachableError
 
 if TYPE_CHECKING:
     from lockstep._internal.rank.train_context import TrainContext
@@ -73,9 +74,12 @@ def upload(context: TrainContext, checkpoint: Checkpoint, job: Upload, given_goe
 
 
 def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> None:
-    """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure."""
+    """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure (a
+    full or unreachable storage keeps its error class)."""
     try:
         context.storage.write_checkpoint(local_dir, dir_name)
+    except (StorageFullError, StorageUnreachableError) as error:
+        raise type(error)(f"rank {context.world_rank}: checkpoint {dir_name}: {error}") from error
     except Exception as error:
         raise OSError(
             f"rank {context.world_rank}: writing checkpoint {dir_name} to "
@@ -153,7 +157,7 @@ class CheckpointUploader:
                 with PROGRESS.making_progress():
                     external = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
             except Exception as failure:  # noqa: BLE001 - the driver must hear of every failed upload
-                error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, OSError) else str(failure)
+                error = str(failure) if type(failure) is OSError else f"{type(failure).__name__}: {failure}"
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
             message = protocol.CheckpointUploaded(

@@ -17,6 +17,7 @@ from typing import Any
 from lockstep._internal.output.listeners import Listeners
 from lockstep._internal.output.progress import note_slow_rank
 from lockstep._internal.output.user_callbacks import UserCallbacks
+from lockstep._internal.persist.retry import Outage
 from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep._internal.run.checkpoint_commits import CheckpointCommits, agreed_dir_name
 from lockstep._internal.run.checkpoints import ranked
@@ -96,6 +97,7 @@ class AttemptEvents:
         self._handlers: dict[type, Callable[[Any, Attempt, WorkerGroup], None]] = {
             protocol.Report: self._on_report,
             protocol.CheckpointUploaded: self._on_uploaded,
+            protocol.StorageOutage: self._on_storage_outage,
             protocol.WritingCheckpoint: self._on_writing,
             protocol.Collective: self._on_collective,
             protocol.CheckpointsQuery: self._on_query,
@@ -252,6 +254,9 @@ class AttemptEvents:
             self._commit_ready(attempt)
         if self.rank_reports is not None:
             self.rank_reports.after_rank_reports(index, rank_metrics(calls), dir_name is not None)
+
+    def _on_storage_outage(self, outage: protocol.StorageOutage, attempt: Attempt, group: WorkerGroup) -> None:
+        self.recorder.note_outage(Outage(outage.started_at, outage.lasted_s, outage.retries), f"rank {outage.rank}")
 
     def _on_uploaded(self, uploaded: protocol.CheckpointUploaded, attempt: Attempt, group: WorkerGroup) -> None:
         failure = attempt.commits.uploaded(uploaded)

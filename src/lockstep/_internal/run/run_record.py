@@ -13,7 +13,10 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+from lockstep._internal.persist.outages import RECORD_KEY as OUTAGES_KEY
+from lockstep._internal.persist.outages import add_outage
 from lockstep._internal.persist.results import error_to_record, result_fields
+from lockstep._internal.persist.retry import Outage
 from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
 from lockstep._internal.run.checkpoints import (
     PENDING_VALIDATION,
@@ -79,6 +82,7 @@ class RunRecorder:
         self.checkpoint_config = checkpoint_config
         self.world_size = world_size
         self.executor = executor
+        storage.retry.on_outage_end = self.note_outage
         self._earlier = storage.read_record()
         self.record: dict[str, Any] = dict(self._earlier or {})
         self.reports: list[dict[str, Any]] = storage.read_reports() if self._earlier else []
@@ -99,7 +103,9 @@ class RunRecorder:
             ValueError: the latest checkpoint's folder is missing.
         """
         latest = self.latest_checkpoint
-        if latest is not None and not latest.filesystem.exists(latest.path):
+        if latest is None:
+            return
+        if not self.storage.retry.call("read_record", latest.uri, lambda: latest.filesystem.exists(latest.path)):
             raise ValueError(
                 f"The run {self.storage.display_path} lists {self.checkpoints[-1].dir_name} as its latest "
                 f"checkpoint, but {latest.path} is missing. Restore that folder, or start a new run (another "
@@ -144,6 +150,11 @@ class RunRecorder:
             if self.record.get("status") != "running" or time.monotonic() - self._last_write < HEARTBEAT_INTERVAL_S:
                 return
             self._stamp_and_write()
+
+    def note_outage(self, outage: Outage, seen_by: str = "driver") -> None:
+        """A storage outage the driver (or a rank, ``seen_by="rank <r>"``) rode out: it goes into
+        the record's ``storage_outages`` (written with the next record write)."""
+        self.record[OUTAGES_KEY] = add_outage(self.record.get(OUTAGES_KEY), outage, seen_by)
 
     def set_world_size(self, world_size: int) -> None:
         """The number of workers of the coming attempt (it can change in an elastic run)."""

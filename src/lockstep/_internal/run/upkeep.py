@@ -15,6 +15,7 @@ import os
 import threading
 from types import TracebackType
 
+from lockstep._internal.persist.fault_kinds import FaultKind, classify
 from lockstep._internal.persist.filesystems import is_local, join
 from lockstep._internal.persist.storage import RunStorage
 from lockstep._internal.run.run_record import RunRecorder
@@ -57,7 +58,7 @@ class LogSync:
         try:
             self.storage.filesystem.put_file(path, join(self.storage.path_of("logs"), relative))
         except Exception as error:  # noqa: BLE001 - a log copy must never stop the run
-            if path not in self._uploaded:
+            if path not in self._uploaded and classify(error) is not FaultKind.TRANSIENT:  # an outage is logged once
                 logger.warning("could not copy the log %s to %s: %s", relative, self.storage.display_path, error)
             self._uploaded[path] = (-1, -1)
             return

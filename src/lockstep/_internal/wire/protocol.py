@@ -103,6 +103,17 @@ class CheckpointUploaded:
 
 
 @dataclass(frozen=True)
+class StorageOutage:
+    """A storage outage the rank rode out (its storage operations were retried until storage
+    answered again): when it began (wall time), how long it lasted, how many retries it took."""
+
+    rank: int
+    started_at: float
+    lasted_s: float
+    retries: int
+
+
+@dataclass(frozen=True)
 class Collective:
     """A rank entered its collective number ``seq`` (``barrier`` or ``broadcast_from_rank_zero``,
     named in ``op``). Rank 0 of a broadcast sends its object pickled; the driver never unpickles
@@ -292,6 +303,7 @@ WORKER_MESSAGES = (
     Report,
     WritingCheckpoint,
     CheckpointUploaded,
+    StorageOutage,
     Collective,
     CheckpointsQuery,
     Output,
