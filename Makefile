@@ -40,6 +40,7 @@ bench: install
 	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
 	$(PY) benchmarks/timeline.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/dashboard_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
+	$(PY) benchmarks/scale_bench.py --ranks 64 256 --rounds 5 --output-s 10 --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
 
 # make bench-quick: a few minutes; checks that every script works (results marked quick, which

@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python benchmarks/scale_bench.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     document = {"samples": {str(size): samples for size, samples in by_size.items()},
                 "summary": [medians(samples) for samples in by_size.values()]}
-    path = write_result(args.results_dir, "scale", command, info, args.quick, document, goals, text)
+    kind = "scale" if max(args.ranks) >= 1024 else "scale-small"  # make bench's sizes don't replace the 1,024 run
+    path = write_result(args.results_dir, kind, command, info, args.quick, document, goals, text)
     if path is not None:
         print(f"results: {path}")
 

@@ -40,6 +40,7 @@ KINDS = {
     "payload": "payload_bench.py",
     "dashboard": "dashboard_bench.py",
     "scale": "scale_bench.py",
+    "scale-small": "scale_bench.py --ranks 64 256",
     "many": "many_ranks_bench.py",
 }
 
