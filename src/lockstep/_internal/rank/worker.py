@@ -129,6 +129,7 @@ def run_rank(
 
     from lockstep._internal.rank.progress_sender import progress_reported
     from lockstep._internal.rank.session_state import set_session
+    from lockstep._internal.rank.storage_outages import ride_out_outages
     from lockstep._internal.rank.train_context import TrainContext
     from lockstep._internal.rank.worker_session import WorkerSession
     from lockstep._internal.wire import protocol
@@ -151,6 +152,7 @@ def run_rank(
         metadata=job.metadata,
         gpu_ids=rank_env.gpu_ids,
     )
+    ride_out_outages(context.storage, channel, context.world_rank)  # resume reads included
     datasets = shard_datasets(job.datasets, context.world_rank, context.world_size, job.dataset_config.should_split)
     datasets.update({name: RayDataShard(shard) for name, shard in (extra_datasets or {}).items()})
     session = WorkerSession(

@@ -23,7 +23,6 @@ from lockstep._internal.rank.checkpoint_upload import (
 from lockstep._internal.rank.progress import PROGRESS
 from lockstep._internal.rank.progress_sender import where_i_am
 from lockstep._internal.rank.step_timing import CLOCK
-from lockstep._internal.rank.storage_outages import ride_out_outages
 from lockstep._internal.rank.train_context import CheckpointUploadMode, TrainContext
 from lockstep._internal.wire import protocol
 from lockstep._internal.wire.channel import WorkerChannel
@@ -68,7 +67,6 @@ class WorkerSession:
         self._next_collective_seq = 0
         self.preemption_info: PreemptionInfo | None = None
         self.calls = threading.Lock()
-        ride_out_outages(context.storage, channel, context.world_rank)
         CLOCK.restart()
 
     def report(
