@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+from lockstep._internal.persist.manifest import write_manifest
 from lockstep._internal.persist.results import error_to_record, result_fields
 from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
 from lockstep._internal.run.checkpoints import (
@@ -207,9 +208,13 @@ class RunRecorder:
         metrics: dict[str, Any],
         external_path: str | None = None,
         validation: bool | dict[str, Any] | None = None,
+        files: dict[int, list[Any]] | None = None,
     ) -> CheckpointEntry:
         """Make a fully written checkpoint the run's latest; with a ``validation`` request, it
-        is recorded as pending validation (with the request, so a later run can start it)."""
+        is recorded as pending validation (with the request, so a later run can start it).
+        ``files`` (each rank's, as the ranks copied them) go into its manifest first."""
+        if files and external_path is None:
+            write_manifest(self.storage.filesystem, self.storage.checkpoint_path(dir_name), files)
         entry = CheckpointEntry(dir_name, report_index, metrics, external_path)
         if validation is not None:
             entry = replace(entry, validation=PENDING_VALIDATION, validation_request=validation)
