@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint bench bench-quick install clean docs
+.PHONY: demo test lint bench bench-quick install clean docs kill-trials
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ bench-quick: install
 	$(PY) benchmarks/timeline.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/dashboard_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
+
+# make kill-trials: 1,000 SIGKILLs (driver, a rank, the whole job) at random moments of runs that
+# checkpoint at every step, on local disk and the S3 test server, each followed by a rerun and the
+# checks of benchmarks/kill_trials.py (about 50 minutes on 2 CPUs). Resumable: trials accumulate in
+# benchmarks/results/kill_trials.jsonl, and a second call adds only the missing ones.
+kill-trials: install
+	$(PY) benchmarks/kill_trials.py --trials 1000 --results $(RESULTS)/kill_trials.jsonl
 
 # make docs: the documentation site (mkdocs.yml, docs/*.md, the API reference from the docstrings)
 # into build/site, with --strict. Installs the docs extra into .venv when it is missing.

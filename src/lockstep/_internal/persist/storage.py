@@ -174,7 +174,7 @@ class RunStorage:
             return Checkpoint(entry.path)._committed()
         return Checkpoint(self.checkpoint_path(entry.dir_name), self.filesystem)._committed()
 
-    def write_checkpoint(self, local_dir: str, dir_name: str) -> list[FileSum]:
+    def write_checkpoint(self, local_dir: str, dir_name: str) -> list[FileSum] | None:
         """Copy one rank's checkpoint files into the folder of ``dir_name``; return each file's
         relative path, size and CRC-32 (for the manifest the commit writes)."""
         return upload_with_checksums(local_dir, self.filesystem, self.checkpoint_path(dir_name))

@@ -20,6 +20,9 @@ from lockstep._internal.persist.manifest import UNLISTED, FileSum, crc32_of_file
 
 #: At most this many files are copied (and checksummed) at the same time.
 MAX_THREADS = 8
+#: Set to 0 in a rank's environment to copy without checksums, so no manifest is written (for
+#: benchmarks/checkpoint_bench.py, which measures what the checksums cost; not for real runs).
+CHECKSUMS_VARIABLE = "LOCKSTEP_CHECKPOINT_CHECKSUMS"
 
 
 def files_of(local_dir: str) -> list[tuple[str, str]]:
@@ -48,9 +51,10 @@ def _make_folders(local_dir: str, filesystem: fsspec.AbstractFileSystem, destina
 
 def upload_with_checksums(
     local_dir: str, filesystem: fsspec.AbstractFileSystem, destination: str, threads: int = MAX_THREADS
-) -> list[FileSum]:
+) -> list[FileSum] | None:
     """Copy the files of ``local_dir`` into ``destination`` on ``filesystem`` (merging with what
-    is there) and return each one's ``(relative path, size, CRC-32)`` as it was read.
+    is there) and return each one's ``(relative path, size, CRC-32)`` as it was read (None with
+    checksums turned off, see ``CHECKSUMS_VARIABLE``).
 
     Raises:
         OSError: a copy failed (the first failure; the other copies are waited for).
@@ -58,6 +62,7 @@ def upload_with_checksums(
     files = files_of(local_dir)
     _make_folders(local_dir, filesystem, destination)
     local = is_local(filesystem)
+    checksums = os.environ.get(CHECKSUMS_VARIABLE, "1") != "0"
 
     def copy(source: str, relative: str) -> None:
         target = join(destination, relative)
@@ -68,9 +73,11 @@ def upload_with_checksums(
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, 2 * len(files)))) as pool:
         copies = [pool.submit(copy, source, relative) for source, relative in files]
-        sums: list[Future[tuple[int, int]]] = [pool.submit(crc32_of_file, source) for source, _ in files]
+        sums: list[Future[tuple[int, int]]] = [pool.submit(crc32_of_file, source) for source, _ in files if checksums]
         for done in copies:
             done.result()
+        if not checksums:
+            return None
         return [
             (relative, *checksum.result())
             for (_, relative), checksum in zip(files, sums, strict=True)

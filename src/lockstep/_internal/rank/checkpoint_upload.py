@@ -75,7 +75,7 @@ def upload(
     return (None if uploaded == standard else uploaded.uri), None
 
 
-def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> list[FileSum]:
+def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> list[FileSum] | None:
     """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure."""
     try:
         return context.storage.write_checkpoint(local_dir, dir_name)

@@ -215,6 +215,7 @@ class RunRecorder:
         ``files`` (each rank's, as the ranks copied them) go into its manifest first."""
         if files and external_path is None:
             write_manifest(self.storage.filesystem, self.storage.checkpoint_path(dir_name), files)
+        self._log.flush()
         entry = CheckpointEntry(dir_name, report_index, metrics, external_path)
         if validation is not None:
             entry = replace(entry, validation=PENDING_VALIDATION, validation_request=validation)

@@ -1,0 +1,372 @@
+"""A thousand kills: SIGKILL the driver, one rank, or the whole job at a random moment of a run
+that checkpoints at every step, then run it again, trial after trial; check after each one that
+nothing half-written counts.
+
+What a trial does
+-----------------
+A run (2 ranks, 16 steps of 0.15 s, a checkpoint at every step, SYNC and ASYNC uploads alternating,
+``num_to_keep=3``) goes on local disk or on the S3 test server (tests/s3_server.py), the two
+taking turns. Each trial starts the run's driver (this script, ``driver`` subcommand, as its own
+process): the first trial of a run starts it, later ones continue it from its latest checkpoint.
+After a random delay (uniform between 0 and ``--max-delay`` seconds; the driver's start is
+included) it SIGKILLs the driver, one rank's process, or every process of the job, unless the run
+ended first. Then it checks:
+
+* **whole**: every checkpoint the run record counts verifies by its manifest (each file's size
+  and CRC-32), and the record names no folder that is gone;
+* **history**: the report history's indices are 0, 1, 2, ... with no gap and no repeat; no report
+  recorded before the trial went missing; every counted checkpoint's report is in the history
+  and names it;
+* **resume**: the run resumed from the newest checkpoint committed before the trial (rank 0 of
+  each attempt notes the step it resumed from; not observed when the kill came before that);
+* **no leftovers**: no process of the job outlives the kill by more than 10 s (leftovers are
+  counted, then killed).
+
+A run that reaches its last step is done; the next trial of that store starts a new run. Trials
+append one JSON line each to ``--results`` (default benchmarks/results/kill_trials.jsonl), so an
+interrupted series continues where it stopped: ``--trials`` is the total wanted in that file.
+
+How to run
+----------
+::
+
+    .venv/bin/python benchmarks/kill_trials.py --trials 1000          # make kill-trials
+    .venv/bin/python benchmarks/kill_trials.py --trials 20 --results /tmp/k.jsonl --stores local
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TAG_VARIABLE = "LOCKSTEP_KILL_TRIAL"
+STEPS = 16
+TARGETS = ("driver", "rank", "job")
+CHECKS = ("whole", "history", "resume", "no_leftovers")
+
+
+# -- the run under test (``kill_trials.py driver ...``, in its own process) -----------------------
+
+
+def train(config: dict[str, Any]) -> None:
+    """Resume from the latest checkpoint (verified on load), then checkpoint every step."""
+    import lockstep
+    from lockstep import Checkpoint
+
+    rank = lockstep.get_context().get_world_rank()
+    first = 0
+    start = lockstep.get_checkpoint()
+    if start is not None:
+        with start.as_directory() as folder:
+            first = int(Path(folder, "step.txt").read_text()) + 1
+    if rank == 0:
+        with open(config["resumes"], "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"trial": config["trial"], "resumed_after_step": first - 1}) + "\n")
+    for step in range(first, config["steps"]):
+        time.sleep(config["pace_s"])  # the step's work
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step.txt").write_text(str(step))
+            Path(folder, f"rank{rank}.bin").write_bytes(os.urandom(random.randint(1 << 14, 1 << 18)))
+            mode = "ASYNC" if step % 2 else "SYNC"
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder), checkpoint_upload_mode=mode)
+
+
+def drive(args: argparse.Namespace) -> int:
+    """Run (or continue) the run ``args.name``; exit 0 when it finished, 1 when it failed."""
+    from lockstep import CheckpointConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from lockstep.torch import TorchTrainer
+
+    config = {"steps": args.steps, "pace_s": args.pace_s, "resumes": args.resumes, "trial": args.trial}
+    trainer = TorchTrainer(
+        train,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=args.name, storage_path=args.storage,
+                             checkpoint_config=CheckpointConfig(num_to_keep=3)),
+    )
+    try:
+        trainer.fit()
+    except TrainingFailedError as error:
+        print(f"FAILED {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes carrying ``TAG_VARIABLE=tag`` (the driver, its warm process, the ranks)."""
+    needle = f"{TAG_VARIABLE}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent process id of ``pid`` (None once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rank_processes(tag: str, driver: int) -> list[int]:
+    """The job's rank processes: the driver's warm process forks them, so they are the tagged
+    processes whose parent is not the driver."""
+    return [pid for pid in tagged(tag) if pid != driver and parent_of(pid) not in (driver, None)]
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def leftovers(tag: str, driver: subprocess.Popen[bytes], within_s: float = 10.0) -> list[int]:
+    """The job's processes still there ``within_s`` after the driver ended (then killed)."""
+    deadline = time.monotonic() + within_s
+    while (left := [pid for pid in tagged(tag) if pid != driver.pid]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kill(left)
+    return left
+
+
+# -- what storage holds -----------------------------------------------------------------------------
+
+
+def snapshot(storage: str, name: str) -> dict[str, Any]:
+    """The run's record, history and checkpoint checks as storage holds them now."""
+    from lockstep._internal.persist.run_check import check_run
+    from lockstep._internal.persist.storage import RunStorage
+
+    run = RunStorage.for_run(storage, name)
+    if hasattr(run.filesystem, "invalidate_cache"):
+        run.filesystem.invalidate_cache()
+    record = run.read_record()
+    if record is None:
+        return {"record": None, "history": [], "checks": [], "latest_step": -1}
+    history = run.read_reports()
+    checks = check_run(run, record)
+    latest = record.get("checkpoints", [])[-1] if record.get("checkpoints") else None
+    return {"record": record, "history": history, "checks": checks,
+            "latest_step": latest["metrics"]["step"] if latest else -1}
+
+
+def problems_of(before: dict[str, Any], after: dict[str, Any], resumed: int | None) -> dict[str, list[str]]:
+    """What each check found wrong (empty lists: all well)."""
+    found: dict[str, list[str]] = {check: [] for check in CHECKS}
+    found["whole"] = [check.line() for check in after["checks"] if check.state != "whole"]
+    indices = [report["report_index"] for report in after["history"]]
+    if indices != list(range(len(indices))):
+        found["history"].append(f"report indices are {indices}, not 0..{len(indices) - 1}")
+    if len(indices) < len(before["history"]):
+        found["history"].append(f"{len(before['history'])} reports before the trial, {len(indices)} after")
+    by_index = {report["report_index"]: report for report in after["history"]}
+    for entry in (after["record"] or {}).get("checkpoints", []):
+        report = by_index.get(entry["report_index"])
+        if report is None or report.get("checkpoint_dir_name") != entry["dir_name"]:
+            found["history"].append(f"{entry['dir_name']} (report {entry['report_index']}) is not in the history")
+    if resumed is not None and resumed != before["latest_step"]:
+        found["resume"].append(f"resumed after step {resumed}, the newest checkpoint was step {before['latest_step']}")
+    return found
+
+
+# -- trials ---------------------------------------------------------------------------------------
+
+
+def resumed_after(resumes: Path, trial: int) -> int | None:
+    """The step the trial's run resumed after (-1: from the start), None if not observed."""
+    if not resumes.exists():
+        return None
+    for line in resumes.read_text().splitlines():
+        entry = json.loads(line) if line.endswith("}") else {}
+        if entry.get("trial") == trial:
+            return int(entry["resumed_after_step"])
+    return None
+
+
+def one_trial(trial: int, store: str, storage: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Start (or continue) run ``name``, kill it at a random moment, check what storage holds."""
+    rng = random.Random(args.seed * 1_000_003 + trial)
+    target, delay = rng.choice(TARGETS), rng.uniform(0.0, args.max_delay)
+    before = snapshot(storage, name)
+    tag = uuid.uuid4().hex
+    resumes = Path(args.work_dir) / f"{name}.resumes.jsonl"
+    log = Path(args.work_dir) / f"trial_{trial}.log"
+    command = [sys.executable, str(Path(__file__).resolve()), "driver", "--storage", storage, "--name", name,
+               "--steps", str(args.steps), "--pace-s", str(args.pace_s), "--trial", str(trial),
+               "--resumes", str(resumes)]
+    started = time.monotonic()
+    with open(log, "wb") as output:
+        driver = subprocess.Popen(command, env={**os.environ, TAG_VARIABLE: tag}, stdout=output, stderr=output,
+                                  cwd=REPO)
+    try:
+        killed = wait_or_kill(driver, tag, target, delay)
+        driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    left = leftovers(tag, driver)
+    after = snapshot(storage, name)
+    problems = problems_of(before, after, resumed_after(resumes, trial))
+    problems["no_leftovers"] = [f"{len(left)} processes outlived the kill by 10 s"] if left else []
+    finished = (after["record"] or {}).get("status") == "finished"
+    outcome = {
+        "trial": trial, "store": store, "run": name, "target": target, "delay_s": round(delay, 3),
+        "killed": killed, "exit": driver.returncode, "seconds": round(time.monotonic() - started, 2),
+        "finished": finished, "reports": len(after["history"]), "checkpoints": len(after["checks"]),
+        "problems": {check: lines for check, lines in problems.items() if lines},
+    }
+    if not outcome["problems"]:
+        log.unlink()
+    else:
+        outcome["log"] = str(log)
+    return outcome
+
+
+def wait_or_kill(driver: subprocess.Popen[bytes], tag: str, target: str, delay: float) -> str | None:
+    """Wait ``delay`` s (or for the driver to end), then SIGKILL ``target``; returns what was killed."""
+    try:
+        driver.wait(timeout=delay)
+        return None
+    except subprocess.TimeoutExpired:
+        pass
+    if target == "driver":
+        kill([driver.pid])
+    elif target == "job":
+        kill([driver.pid, *tagged(tag)])
+    else:
+        ranks = rank_processes(tag, driver.pid)
+        if not ranks:  # no rank yet (the driver is starting): the driver goes instead
+            kill([driver.pid])
+            return "driver (no rank yet)"
+        kill([random.Random(delay).choice(ranks)])
+    return target
+
+
+def run_trials(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run trials until ``args.results`` holds ``args.trials``; returns every trial in it."""
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    runs: dict[str, str] = {}
+    for entry in done:  # continue the runs an interrupted series left unfinished
+        runs[entry["store"]] = "" if entry["finished"] else entry["run"]
+    with storage_roots(args) as roots:
+        for trial in range(len(done), args.trials):
+            store = args.stores[trial % len(args.stores)]
+            if not runs.get(store):
+                runs[store] = f"{store}-{args.seed}-{trial:05d}"
+            outcome = one_trial(trial, store, roots[store], runs[store], args)
+            if outcome["finished"]:
+                runs[store] = ""
+            with open(results, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(outcome) + "\n")
+            done.append(outcome)
+            if args.verbose:
+                print(json.dumps(outcome), file=sys.stderr, flush=True)
+    return done
+
+
+@contextmanager
+def storage_roots(args: argparse.Namespace) -> Iterator[dict[str, str]]:
+    """A storage_path per store: a folder under the work dir; for s3, the S3 test server's bucket."""
+    roots = {"local": str(Path(args.work_dir) / "storage")}
+    if "s3" not in args.stores:
+        yield roots
+        return
+    sys.path.insert(0, str(REPO / "tests"))
+    from s3_server import apply_env, restore_env, s3_server
+
+    with s3_server() as env:
+        previous = apply_env(env)
+        try:
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("kills")
+            roots["s3"] = "s3://kills/runs"
+            yield roots
+        finally:
+            restore_env(previous)
+            s3fs.S3FileSystem.clear_instance_cache()
+
+
+def summary(trials: list[dict[str, Any]]) -> str:
+    """The figures: trials per store and target, kills that landed, and every check's failures."""
+    killed = [trial for trial in trials if trial["killed"]]
+    by = collections.Counter((trial["store"], trial["target"]) for trial in killed)
+    failures = collections.Counter(check for trial in trials for check in trial["problems"])
+    runs = {trial["run"] for trial in trials}
+    lines = [
+        f"{len(trials)} trials, {len(killed)} kills landed ({len(trials) - len(killed)} runs ended first), "
+        f"{len(runs)} runs, {sum(trial['finished'] for trial in trials)} run to the end; "
+        f"median trial {sorted(trial['seconds'] for trial in trials)[len(trials) // 2]:.1f} s",
+        "kills: " + ", ".join(f"{store}/{target} {count}" for (store, target), count in sorted(by.items())),
+        "failed checks: " + (", ".join(f"{check} {failures[check]}" for check in CHECKS if failures[check]) or "none"),
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="command")
+    driver = commands.add_parser("driver", help="(internal) the run under test")
+    driver.add_argument("--storage", required=True)
+    driver.add_argument("--name", required=True)
+    driver.add_argument("--steps", type=int, default=STEPS)
+    driver.add_argument("--pace-s", type=float, default=0.15)
+    driver.add_argument("--trial", type=int, required=True)
+    driver.add_argument("--resumes", required=True)
+    parser.add_argument("--trials", type=int, default=100, help="trials wanted in the results file (default 100)")
+    parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "kill_trials.jsonl"))
+    parser.add_argument("--stores", nargs="+", choices=["local", "s3"], default=["local", "s3"])
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS})")
+    parser.add_argument("--pace-s", type=float, default=0.15, help="seconds of work per step (default 0.15)")
+    parser.add_argument("--max-delay", type=float, default=6.0, help="kill within this many s of the start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default=None, help="local storage and logs (default: a new temp folder)")
+    parser.add_argument("--verbose", action="store_true", help="print each trial's line")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "driver":
+        return drive(args)
+    args.work_dir = args.work_dir or tempfile.mkdtemp(prefix="lockstep_kills_")
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}", file=sys.stderr)
+    trials = run_trials(args)
+    print(summary(trials))
+    return 1 if any(trial["problems"] for trial in trials) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
