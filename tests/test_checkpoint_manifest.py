@@ -147,3 +147,12 @@ def test_files_written_differently_by_two_ranks_match_either_version() -> None:
     assert problem_of("model.pt", files["model.pt"], (10, 8)) == (
         "model.pt: checksum differs (crc32 00000008, 00000009 when committed) (written by rank 0, 1, 2)")
     assert problem_of("b", files["b"], None) == "b: missing (written by rank 1)"
+
+
+def test_a_report_listing_checkpoint_files_travels_as_json() -> None:
+    from lockstep._internal.wire import codec, protocol
+
+    report = protocol.Report(1, 4, None, "checkpoint_000004", "written", files=[["sub/rank1.bin", 3000, 123]])
+    encoded = codec.encode(report)
+    assert json.loads(encoded)["files"] == [["sub/rank1.bin", 3000, 123]]
+    assert codec.decode(encoded) == report
