@@ -8,9 +8,11 @@ A run (2 ranks, 16 steps of 0.15 s, a checkpoint at every step, SYNC and ASYNC u
 ``num_to_keep=3``) goes on local disk or on the S3 test server (tests/s3_server.py), the two
 taking turns. Each trial starts the run's driver (this script, ``driver`` subcommand, as its own
 process): the first trial of a run starts it, later ones continue it from its latest checkpoint.
-After a random delay (uniform between 0 and ``--max-delay`` seconds; the driver's start is
-included) it SIGKILLs the driver, one rank's process, or every process of the job, unless the run
-ended first. Then it checks:
+At a random moment it SIGKILLs the driver, one rank's process, or every process of the job,
+unless the run ended first: in a quarter of the trials while the job starts (uniform between 0
+and ``--max-delay`` seconds after the driver's start), in the others while it trains (uniform
+over the run's steps, counted from the moment its rank processes exist), when checkpoints are
+being written, uploaded, committed and deleted. Then it checks:
 
 * **whole**: every checkpoint the run record counts verifies by its manifest (each file's size
   and CRC-32), and the record names no folder that is gone;
@@ -20,7 +22,9 @@ ended first. Then it checks:
 * **resume**: the run resumed from the newest checkpoint committed before the trial (rank 0 of
   each attempt notes the step it resumed from; not observed when the kill came before that);
 * **no leftovers**: no process of the job outlives the kill by more than 10 s (leftovers are
-  counted, then killed).
+  counted, then killed);
+* **no unexpected failure**: the driver ends by the kill, or finishes, or (a rank killed) fails
+  with that rank's death; any other failure of the run counts.
 
 A run that reaches its last step is done; the next trial of that store starts a new run. Trials
 append one JSON line each to ``--results`` (default benchmarks/results/kill_trials.jsonl), so an
@@ -42,6 +46,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 TAG_VARIABLE = "LOCKSTEP_KILL_TRIAL"
 STEPS = 16
 TARGETS = ("driver", "rank", "job")
-CHECKS = ("whole", "history", "resume", "no_leftovers")
+CHECKS = ("whole", "history", "resume", "no_leftovers", "unexpected_failure")
 
 
 # -- the run under test (``kill_trials.py driver ...``, in its own process) -----------------------
@@ -69,6 +74,7 @@ def train(config: dict[str, Any]) -> None:
     from lockstep import Checkpoint
 
     rank = lockstep.get_context().get_world_rank()
+    Path(config["pids"], f"rank_{rank}.pid").write_text(str(os.getpid()))  # the harness kills ranks by pid
     first = 0
     start = lockstep.get_checkpoint()
     if start is not None:
@@ -91,7 +97,8 @@ def drive(args: argparse.Namespace) -> int:
     from lockstep import CheckpointConfig, RunConfig, ScalingConfig, TrainingFailedError
     from lockstep.torch import TorchTrainer
 
-    config = {"steps": args.steps, "pace_s": args.pace_s, "resumes": args.resumes, "trial": args.trial}
+    config = {"steps": args.steps, "pace_s": args.pace_s, "resumes": args.resumes, "trial": args.trial,
+              "pids": args.pids}
     trainer = TorchTrainer(
         train,
         train_loop_config=config,
@@ -125,18 +132,10 @@ def tagged(tag: str) -> list[int]:
     return found
 
 
-def parent_of(pid: int) -> int | None:
-    """The parent process id of ``pid`` (None once it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def rank_processes(tag: str, driver: int) -> list[int]:
-    """The job's rank processes: the driver's warm process forks them, so they are the tagged
-    processes whose parent is not the driver."""
-    return [pid for pid in tagged(tag) if pid != driver and parent_of(pid) not in (driver, None)]
+def rank_processes(tag: str, pids: Path) -> list[int]:
+    """The job's rank processes that are running: each rank writes its pid into ``pids``."""
+    running = set(tagged(tag))
+    return [pid for path in sorted(pids.glob("rank_*.pid")) if (pid := int(path.read_text() or 0)) in running]
 
 
 def kill(pids: list[int]) -> None:
@@ -214,20 +213,23 @@ def resumed_after(resumes: Path, trial: int) -> int | None:
 def one_trial(trial: int, store: str, storage: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Start (or continue) run ``name``, kill it at a random moment, check what storage holds."""
     rng = random.Random(args.seed * 1_000_003 + trial)
-    target, delay = rng.choice(TARGETS), rng.uniform(0.0, args.max_delay)
+    target, phase = rng.choice(TARGETS), "start" if rng.random() < 0.25 else "training"
+    delay = rng.uniform(0.0, args.max_delay if phase == "start" else args.steps * args.pace_s * 1.1)
     before = snapshot(storage, name)
     tag = uuid.uuid4().hex
     resumes = Path(args.work_dir) / f"{name}.resumes.jsonl"
     log = Path(args.work_dir) / f"trial_{trial}.log"
+    pids = Path(args.work_dir) / f"trial_{trial}.pids"
+    pids.mkdir()
     command = [sys.executable, str(Path(__file__).resolve()), "driver", "--storage", storage, "--name", name,
                "--steps", str(args.steps), "--pace-s", str(args.pace_s), "--trial", str(trial),
-               "--resumes", str(resumes)]
+               "--resumes", str(resumes), "--pids", str(pids)]
     started = time.monotonic()
     with open(log, "wb") as output:
         driver = subprocess.Popen(command, env={**os.environ, TAG_VARIABLE: tag}, stdout=output, stderr=output,
                                   cwd=REPO)
     try:
-        killed = wait_or_kill(driver, tag, target, delay)
+        killed = wait_or_kill(driver, tag, pids, target, delay, phase)
         driver.wait(timeout=120)
     finally:
         if driver.poll() is None:
@@ -237,22 +239,49 @@ def one_trial(trial: int, store: str, storage: str, name: str, args: argparse.Na
     after = snapshot(storage, name)
     problems = problems_of(before, after, resumed_after(resumes, trial))
     problems["no_leftovers"] = [f"{len(left)} processes outlived the kill by 10 s"] if left else []
+    failure = failure_line(log)
+    if driver.returncode not in (0, -signal.SIGKILL) and killed != "rank":
+        problems["unexpected_failure"] = [f"the driver exited with {driver.returncode}: {failure}"]
     finished = (after["record"] or {}).get("status") == "finished"
     outcome = {
-        "trial": trial, "store": store, "run": name, "target": target, "delay_s": round(delay, 3),
+        "trial": trial, "store": store, "run": name, "target": target, "phase": phase, "delay_s": round(delay, 3),
         "killed": killed, "exit": driver.returncode, "seconds": round(time.monotonic() - started, 2),
         "finished": finished, "reports": len(after["history"]), "checkpoints": len(after["checks"]),
         "problems": {check: lines for check, lines in problems.items() if lines},
     }
-    if not outcome["problems"]:
+    if failure:
+        outcome["failure"] = failure
+    shutil.rmtree(pids)
+    if not outcome["problems"] and not args.keep_logs:
         log.unlink()
     else:
         outcome["log"] = str(log)
     return outcome
 
 
-def wait_or_kill(driver: subprocess.Popen[bytes], tag: str, target: str, delay: float) -> str | None:
-    """Wait ``delay`` s (or for the driver to end), then SIGKILL ``target``; returns what was killed."""
+def failure_line(log: Path) -> str | None:
+    """The driver's ``FAILED ...`` line (its TrainingFailedError), cut short; None if none."""
+    text = log.read_text(errors="replace")
+    return text.split("FAILED ", 1)[1].split("\n", 1)[0][:300] if "FAILED " in text else None
+
+
+def wait_for_ranks(driver: subprocess.Popen[bytes], tag: str, pids: Path, timeout_s: float = 60.0) -> bool:
+    """Wait until the job's rank processes run the train function (False: the driver ended first)."""
+    deadline = time.monotonic() + timeout_s
+    while driver.poll() is None and time.monotonic() < deadline:
+        if rank_processes(tag, pids):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def wait_or_kill(
+    driver: subprocess.Popen[bytes], tag: str, pids: Path, target: str, delay: float, phase: str
+) -> str | None:
+    """Wait ``delay`` s (from the start, or in the training phase from the ranks' start; or for
+    the driver to end), then SIGKILL ``target``; returns what was killed."""
+    if phase == "training" and not wait_for_ranks(driver, tag, pids):
+        return None
     try:
         driver.wait(timeout=delay)
         return None
@@ -263,10 +292,10 @@ def wait_or_kill(driver: subprocess.Popen[bytes], tag: str, target: str, delay: 
     elif target == "job":
         kill([driver.pid, *tagged(tag)])
     else:
-        ranks = rank_processes(tag, driver.pid)
-        if not ranks:  # no rank yet (the driver is starting): the driver goes instead
+        ranks = rank_processes(tag, pids)
+        if not ranks:  # none running (not started yet, or already done): the driver goes instead
             kill([driver.pid])
-            return "driver (no rank yet)"
+            return "driver (no rank running)"
         kill([random.Random(delay).choice(ranks)])
     return target
 
@@ -326,7 +355,8 @@ def summary(trials: list[dict[str, Any]]) -> str:
     failures = collections.Counter(check for trial in trials for check in trial["problems"])
     runs = {trial["run"] for trial in trials}
     lines = [
-        f"{len(trials)} trials, {len(killed)} kills landed ({len(trials) - len(killed)} runs ended first), "
+        f"{len(trials)} trials, {len(killed)} kills landed ({len(trials) - len(killed)} runs ended first; "
+        f"{sum(trial['phase'] == 'training' for trial in killed)} while training), "
         f"{len(runs)} runs, {sum(trial['finished'] for trial in trials)} run to the end; "
         f"median trial {sorted(trial['seconds'] for trial in trials)[len(trials) // 2]:.1f} s",
         "kills: " + ", ".join(f"{store}/{target} {count}" for (store, target), count in sorted(by.items())),
@@ -345,15 +375,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     driver.add_argument("--pace-s", type=float, default=0.15)
     driver.add_argument("--trial", type=int, required=True)
     driver.add_argument("--resumes", required=True)
+    driver.add_argument("--pids", required=True)
     parser.add_argument("--trials", type=int, default=100, help="trials wanted in the results file (default 100)")
     parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "kill_trials.jsonl"))
     parser.add_argument("--stores", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS})")
     parser.add_argument("--pace-s", type=float, default=0.15, help="seconds of work per step (default 0.15)")
-    parser.add_argument("--max-delay", type=float, default=6.0, help="kill within this many s of the start")
+    parser.add_argument("--max-delay", type=float, default=3.0,
+                        help="a kill during the start comes within this many s of it (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="local storage and logs (default: a new temp folder)")
     parser.add_argument("--verbose", action="store_true", help="print each trial's line")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every driver's log (default: failed trials')")
     return parser.parse_args(argv)
 
 
