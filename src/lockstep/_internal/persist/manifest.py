@@ -26,13 +26,13 @@ import contextlib
 import json
 import logging
 import os
-import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 
+from lockstep._internal.persist.crc import crc32_of_file, crc32_of_stream
 from lockstep._internal.persist.filesystems import is_local, is_object_store, join
 from lockstep.errors import CheckpointCorruptedError
 
@@ -44,31 +44,9 @@ METADATA_FILE = ".metadata.json"
 #: Files of a checkpoint folder that no manifest lists.
 UNLISTED = frozenset({METADATA_FILE})
 FORMAT = 1
-CHUNK = 8 << 20
 
 #: One file a rank wrote: (relative path with '/', size in bytes, CRC-32).
 FileSum = tuple[str, int, int]
-
-
-def crc32_of_file(path: str) -> tuple[int, int]:
-    """``(size, CRC-32)`` of a local file, read in 8 MiB chunks."""
-    crc = size = 0
-    with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(CHUNK)
-        view = memoryview(buffer)
-        while count := handle.readinto(buffer):
-            crc = zlib.crc32(view[:count], crc)
-            size += count
-    return size, crc
-
-
-def crc32_of_stream(handle: Any) -> tuple[int, int]:
-    """``(size, CRC-32)`` of an open binary file on any filesystem."""
-    crc = size = 0
-    while chunk := handle.read(CHUNK):
-        crc = zlib.crc32(chunk, crc)
-        size += len(chunk)
-    return size, crc
 
 
 def manifest_path(checkpoint_path: str) -> str:
@@ -189,7 +167,7 @@ def verify_remote(filesystem: fsspec.AbstractFileSystem, folder: str, manifest: 
         elif not any(version["size"] == size for version in versions):
             found = (size, 0)
         else:
-            with filesystem.open(join(folder, path), "rb", block_size=CHUNK) as handle:
+            with filesystem.open(join(folder, path), "rb", block_size=8 << 20) as handle:
                 found = crc32_of_stream(handle)
         problem = problem_of(path, versions, found)
         if problem is not None:

@@ -3,8 +3,8 @@ size and CRC-32 for the checkpoint's manifest (manifest.py).
 
 The copy itself is the filesystem's fastest (``copy_file_range``/``sendfile`` on local disk,
 fsspec's ``put_file`` with multipart uploads elsewhere), so the bytes do not pass through Python;
-each file is checksummed from the source on another thread at the same time (``zlib.crc32`` and
-file reads let go of the GIL), which costs little wall time when the copy is the slower part.
+each file is checksummed from the source at the same time, on other threads (crc.py: ``zlib.crc32``
+and file reads let go of the GIL), which costs little wall time where there are CPUs to spare.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import fsspec
 
+from lockstep._internal.persist.crc import crc32_of_file
 from lockstep._internal.persist.filesystems import is_local, is_object_store, join
-from lockstep._internal.persist.manifest import UNLISTED, FileSum, crc32_of_file
+from lockstep._internal.persist.manifest import UNLISTED, FileSum
 
 #: At most this many files are copied (and checksummed) at the same time.
 MAX_THREADS = 8
