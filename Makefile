@@ -35,6 +35,7 @@ RESULTS := benchmarks/results
 bench: install
 	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --no-one-worker --results-dir $(RESULTS)
 	$(PY) benchmarks/checkpoint_bench.py --results-dir $(RESULTS)
+	$(PY) benchmarks/checkpoint_throughput.py --results-dir $(RESULTS)
 	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
@@ -48,6 +49,7 @@ bench: install
 bench-quick: install
 	$(PY) benchmarks/bench_jobs.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/checkpoint_bench.py --quick --results-dir $(RESULTS)
+	$(PY) benchmarks/checkpoint_throughput.py --quick --results-dir $(RESULTS)
 	$(PY) benchmarks/ray_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)

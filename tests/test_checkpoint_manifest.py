@@ -156,3 +156,14 @@ def test_a_report_listing_checkpoint_files_travels_as_json() -> None:
     encoded = codec.encode(report)
     assert json.loads(encoded)["files"] == [["sub/rank1.bin", 3000, 123]]
     assert codec.decode(encoded) == report
+
+
+def test_a_file_checksummed_on_several_threads_has_zlibs_crc(tmp_path: Path) -> None:
+    import zlib
+
+    from lockstep._internal.persist.crc import BLOCK, crc32_of_file
+
+    for size in (0, 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12_345):
+        data = os.urandom(size)
+        Path(tmp_path, "f").write_bytes(data)
+        assert crc32_of_file(str(tmp_path / "f"), threads=3) == (size, zlib.crc32(data)), size
