@@ -134,8 +134,16 @@ def tagged(tag: str) -> list[int]:
 
 def rank_processes(tag: str, pids: Path) -> list[int]:
     """The job's rank processes that are running: each rank writes its pid into ``pids``."""
-    running = set(tagged(tag))
-    return [pid for path in sorted(pids.glob("rank_*.pid")) if (pid := int(path.read_text() or 0)) in running]
+    needle = f"{TAG_VARIABLE}={tag}".encode()
+    running = []
+    for path in sorted(pids.glob("rank_*.pid")):
+        try:
+            pid = int(path.read_text())
+            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                running.append(pid)
+        except (OSError, ValueError):  # gone, or its pid file half-written
+            continue
+    return running
 
 
 def kill(pids: list[int]) -> None:
@@ -308,6 +316,8 @@ def run_trials(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs: dict[str, str] = {}
     for entry in done:  # continue the runs an interrupted series left unfinished
         runs[entry["store"]] = "" if entry["finished"] else entry["run"]
+    if len(done) >= args.trials:
+        return done
     with storage_roots(args) as roots:
         for trial in range(len(done), args.trials):
             store = args.stores[trial % len(args.stores)]
@@ -349,19 +359,24 @@ def storage_roots(args: argparse.Namespace) -> Iterator[dict[str, str]]:
 
 
 def summary(trials: list[dict[str, Any]]) -> str:
-    """The figures: trials per store and target, kills that landed, and every check's failures."""
+    """The figures as markdown: kills that landed per store, target and phase, and each check's failures."""
     killed = [trial for trial in trials if trial["killed"]]
-    by = collections.Counter((trial["store"], trial["target"]) for trial in killed)
     failures = collections.Counter(check for trial in trials for check in trial["problems"])
-    runs = {trial["run"] for trial in trials}
+    seconds = sorted(trial["seconds"] for trial in trials)
     lines = [
-        f"{len(trials)} trials, {len(killed)} kills landed ({len(trials) - len(killed)} runs ended first; "
-        f"{sum(trial['phase'] == 'training' for trial in killed)} while training), "
-        f"{len(runs)} runs, {sum(trial['finished'] for trial in trials)} run to the end; "
-        f"median trial {sorted(trial['seconds'] for trial in trials)[len(trials) // 2]:.1f} s",
-        "kills: " + ", ".join(f"{store}/{target} {count}" for (store, target), count in sorted(by.items())),
-        "failed checks: " + (", ".join(f"{check} {failures[check]}" for check in CHECKS if failures[check]) or "none"),
+        f"{len(trials)} trials: {len(killed)} kills landed, {len(trials) - len(killed)} runs ended before their "
+        f"kill; {len({trial['run'] for trial in trials})} runs, {sum(trial['finished'] for trial in trials)} of "
+        f"them to their last step; median trial {seconds[len(seconds) // 2]:.1f} s.",
+        "",
+        "| store | kill | while starting | while training |",
+        "|---|---|---:|---:|",
     ]
+    by = collections.Counter((trial["store"], trial["killed"], trial["phase"]) for trial in killed)
+    for store in sorted({trial["store"] for trial in trials}):
+        for what in sorted({trial["killed"] for trial in killed if trial["store"] == store}):
+            lines.append(f"| {store} | {what} | {by[(store, what, 'start')]} | {by[(store, what, 'training')]} |")
+    lines += ["", "| check | trials failing it |", "|---|---:|"]
+    lines += [f"| {check} | {failures[check]} |" for check in CHECKS]
     return "\n".join(lines)
 
 
