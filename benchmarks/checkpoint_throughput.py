@@ -12,7 +12,9 @@ Before anything is timed, each of ``--ranks`` ranks gets a local folder with one
 * **lockstep**: a ``TorchTrainer`` fit with ``--ranks`` workers, every rank passing its folder to
   ``report(checkpoint=...)`` (SYNC), ``--reports`` times; the time is rank 0's time in
   ``report()``, which returns once every rank's files are written, checksummed for the manifest,
-  and the checkpoint committed.
+  and the checkpoint committed;
+* **lockstep without checksums** (``LOCKSTEP_CHECKPOINT_CHECKSUMS=0`` in the workers, no
+  manifest), to show what the checksums cost; not judged.
 
 Throughput is total bytes / time (GB/s, 1 GB = 10**9 bytes); the figure is the ratio of the
 medians, lockstep over plain, over ``--repeats`` interleaved rounds. Goal (issue #24, ROUND3.md):
@@ -59,6 +61,8 @@ LOCAL_GOAL = 0.80
 def train_func(config: dict[str, Any]) -> list[float]:
     """Report this rank's prepared folder as a checkpoint ``reports`` times; rank 0's times."""
     rank = lockstep.get_context().get_world_rank()
+    if not config["checksums"]:
+        os.environ["LOCKSTEP_CHECKPOINT_CHECKSUMS"] = "0"
     folder = config["sources"][rank]
     blocked = []
     for index in range(config["reports"]):
@@ -117,12 +121,14 @@ def plain_copy(target: str, sources: list[str], work: Path) -> float:
     return seconds
 
 
-def lockstep_fit(target: str, sources: list[str], reports: int, work: Path, name: str) -> list[float]:
+def lockstep_fit(
+    target: str, sources: list[str], reports: int, work: Path, name: str, checksums: bool = True
+) -> list[float]:
     """Rank 0's seconds in each report() of a fit whose ranks report their folders."""
     storage_path = f"s3://{BUCKET}/runs" if target == "s3" else str(work / "runs")
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"sources": sources, "reports": reports},
+        train_loop_config={"sources": sources, "reports": reports, "checksums": checksums},
         scaling_config=ScalingConfig(num_workers=len(sources)),
         run_config=RunConfig(name=name, storage_path=storage_path),
     )
@@ -143,15 +149,19 @@ def measure(target: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     total = args.ranks * mib * MIB
     plain: list[float] = []
     ours: list[float] = []
+    bare: list[float] = []
     for repeat in range(args.repeats):
         plain.append(plain_copy(target, sources, work))
         ours += lockstep_fit(target, sources, args.reports, work, f"{target}-{repeat}")
+        bare += lockstep_fit(target, sources, args.reports, work, f"{target}-{repeat}-bare", checksums=False)
         print(f"[{target} {repeat + 1}/{args.repeats}] plain {total / plain[-1] / GB:.2f} GB/s, "
-              f"lockstep {total / statistics.median(ours[-args.reports:]) / GB:.2f} GB/s", file=sys.stderr, flush=True)
+              f"lockstep {total / statistics.median(ours[-args.reports:]) / GB:.2f} GB/s, without checksums "
+              f"{total / statistics.median(bare[-args.reports:]) / GB:.2f} GB/s", file=sys.stderr, flush=True)
     shutil.rmtree(work / target)
-    plain_s, ours_s = statistics.median(plain), statistics.median(ours)
-    return {"bytes": total, "mib_per_rank": mib, "plain_s": plain, "lockstep_s": ours,
-            "plain_gb_s": total / plain_s / GB, "lockstep_gb_s": total / ours_s / GB, "ratio": plain_s / ours_s}
+    plain_s, ours_s, bare_s = statistics.median(plain), statistics.median(ours), statistics.median(bare)
+    return {"bytes": total, "mib_per_rank": mib, "plain_s": plain, "lockstep_s": ours, "no_checksums_s": bare,
+            "plain_gb_s": total / plain_s / GB, "lockstep_gb_s": total / ours_s / GB,
+            "no_checksums_gb_s": total / bare_s / GB, "ratio": plain_s / ours_s, "no_checksums_ratio": plain_s / bare_s}
 
 
 def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, str], command: str) -> str:
@@ -161,14 +171,16 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
         f"{args.ranks} ranks, one file each; {args.repeats} interleaved rounds; lockstep: {args.reports} SYNC "
         "reports per fit (rank 0's time in report()).",
         "",
-        "| target | checkpoint | plain parallel copy (GB/s) | lockstep (GB/s) | lockstep / plain | goal |",
-        "|---|---:|---:|---:|---:|---|",
+        "| target | checkpoint | plain parallel copy (GB/s) | lockstep (GB/s) | lockstep / plain | goal | "
+        "lockstep without checksums (GB/s) | its ratio |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for target, row in summary.items():
         goal = f">= {LOCAL_GOAL:.2f}: {'PASS' if row['ratio'] >= LOCAL_GOAL else 'MISS'}" if target == "local" else \
             "works (not a speed reference)"
         lines.append(f"| {target} | {args.ranks} x {row['mib_per_rank']} MiB | {row['plain_gb_s']:.2f} | "
-                     f"{row['lockstep_gb_s']:.2f} | {row['ratio']:.2f} | {goal} |")
+                     f"{row['lockstep_gb_s']:.2f} | {row['ratio']:.2f} | {goal} | {row['no_checksums_gb_s']:.2f} | "
+                     f"{row['no_checksums_ratio']:.2f} |")
     return "\n".join(lines)
 
 
