@@ -58,8 +58,10 @@ def _crc_of_range(path: str, start: int, length: int) -> tuple[int, int]:
     return read, crc
 
 
-def crc32_of_file(path: str, threads: int = THREADS) -> tuple[int, int]:
-    """``(size, CRC-32)`` of a local file, its 8 MiB blocks checksummed on up to ``threads`` threads."""
+def crc32_of_file(path: str, threads: int | None = None) -> tuple[int, int]:
+    """``(size, CRC-32)`` of a local file, its 8 MiB blocks checksummed on up to ``threads``
+    threads (default :data:`THREADS`)."""
+    threads = THREADS if threads is None else threads
     size = os.path.getsize(path)
     head = size % BLOCK
     ranges = ([(0, head)] if head else []) + [(start, BLOCK) for start in range(head, size, BLOCK)]
