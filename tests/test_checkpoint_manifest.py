@@ -167,3 +167,19 @@ def test_a_file_checksummed_on_several_threads_has_zlibs_crc(tmp_path: Path) -> 
         data = os.urandom(size)
         Path(tmp_path, "f").write_bytes(data)
         assert crc32_of_file(str(tmp_path / "f"), threads=3) == (size, zlib.crc32(data)), size
+
+
+def test_the_history_is_in_the_store_before_a_record_names_a_checkpoint(s3_env: dict[str, str]) -> None:
+    import s3fs
+
+    from lockstep._internal.persist.report_log import RewritingReportLog
+
+    s3 = s3fs.S3FileSystem(skip_instance_cache=True)
+    log = RewritingReportLog(s3, "runs/flushed/reports.jsonl", ['{"report_index": 0}'])
+    for index in range(1, 40):
+        log.append(json.dumps({"report_index": index}))
+    log.flush()  # what RunRecorder.commit_checkpoint does before the record write
+    s3.invalidate_cache()
+    lines = s3.cat_file("runs/flushed/reports.jsonl").decode().splitlines()
+    assert [json.loads(line)["report_index"] for line in lines] == list(range(40))
+    log.close()
