@@ -52,7 +52,7 @@ FileSum = tuple[str, int, int]
 def manifest_path(checkpoint_path: str) -> str:
     """Where the manifest of the checkpoint folder ``checkpoint_path`` is."""
     parent, _, name = checkpoint_path.rstrip("/").rpartition("/")
-    return join(parent, MANIFEST_DIR, f"{name}.json") if parent else f"{MANIFEST_DIR}/{name}.json"
+    return join(parent or "/", MANIFEST_DIR, f"{name}.json")
 
 
 # -- writing (the driver, at the commit) ----------------------------------------------------------
@@ -101,6 +101,8 @@ def read_manifest(filesystem: fsspec.AbstractFileSystem, folder: str) -> dict[st
     Raises:
         CheckpointCorruptedError: the manifest itself is not readable JSON.
     """
+    if "/" not in folder.strip("/"):  # a bucket or the root: never a committed checkpoint
+        return None
     target = manifest_path(folder)
     try:
         data = filesystem.cat_file(target)
