@@ -18,7 +18,7 @@ from conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import kill_trials  # noqa: E402 - benchmarks/ is not a package
 
-TRIALS = 24
+TRIALS = 20
 
 
 @pytest.mark.timeout(420)
