@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATA ?= $(abspath ../shared/data)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint bench bench-quick bench-scale install clean docs
+.PHONY: demo test lint bench bench-quick bench-scale install clean docs kill-trials
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,7 @@ RESULTS := benchmarks/results
 bench: install
 	$(PY) benchmarks/bench_jobs.py --data-dir $(DATA) --no-one-worker --results-dir $(RESULTS)
 	$(PY) benchmarks/checkpoint_bench.py --results-dir $(RESULTS)
+	$(PY) benchmarks/checkpoint_throughput.py --results-dir $(RESULTS)
 	$(PY) benchmarks/ray_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --repeats 3 --results-dir $(RESULTS)
@@ -49,6 +50,7 @@ bench: install
 bench-quick: install
 	$(PY) benchmarks/bench_jobs.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/checkpoint_bench.py --quick --results-dir $(RESULTS)
+	$(PY) benchmarks/checkpoint_throughput.py --quick --results-dir $(RESULTS)
 	$(PY) benchmarks/ray_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/step_bench.py --quick --data-dir $(DATA) --results-dir $(RESULTS)
 	$(PY) benchmarks/payload_bench.py --quick --sizes-mb 0 64 --results-dir $(RESULTS)
@@ -64,6 +66,13 @@ bench-scale: install
 	$(PY) benchmarks/scale_bench.py --ranks 64 256 1024 --rounds 5 --results-dir $(RESULTS)
 	$(PY) benchmarks/many_ranks_bench.py --ranks 32 --rounds 5 --results-dir $(RESULTS)
 	$(PY) benchmarks/tables.py
+
+# make kill-trials: 1,000 SIGKILLs (driver, a rank, the whole job) at random moments of runs that
+# checkpoint at every step, on local disk and the S3 test server, each followed by a rerun and the
+# checks of benchmarks/kill_trials.py (about 50 minutes on 2 CPUs). Resumable: trials accumulate in
+# benchmarks/results/kill_trials.jsonl, and a second call adds only the missing ones.
+kill-trials: install
+	$(PY) benchmarks/kill_trials.py --trials 1000 --results $(RESULTS)/kill_trials.jsonl
 
 # make docs: the documentation site (mkdocs.yml, docs/*.md, the API reference from the docstrings)
 # into build/site, with --strict. Installs the docs extra into .venv when it is missing.

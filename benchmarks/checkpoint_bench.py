@@ -22,6 +22,13 @@ time: ``shutil.copyfile`` into a folder on the same disk (local), or
 bytes / median time, in MB/s (1 MB = 10**6 bytes). Goals: ASYNC blocked / SYNC blocked <= 0.10,
 SYNC throughput / plain throughput >= 0.80.
 
+The manifest's cost (issue #24, point 3: every checkpoint carries each file's size and CRC-32,
+computed while the files are copied): a third mode, ``SYNC without checksums``, runs SYNC with
+``LOCKSTEP_CHECKPOINT_CHECKSUMS=0`` in the workers (no checksums, no manifest). The cost is
+(SYNC blocked median - SYNC-without-checksums blocked median) / SYNC-without-checksums blocked
+median. Goals (written before the first measurement, from ROUND3.md): <= 0.25 on local disk,
+<= 0.05 on S3.
+
 Repeats are interleaved: each repeat runs, per target, the plain write and then both modes, the
 order of the modes alternating from one repeat to the next.
 
@@ -68,6 +75,9 @@ MB = 1_000_000
 BUCKET = "lockstep-bench"
 ASYNC_GOAL = 0.10
 THROUGHPUT_GOAL = 0.80
+MANIFEST_GOALS = {"local": 0.25, "s3": 0.05}
+NO_SUMS = "SYNC_NOSUM"
+MODES = ("SYNC", "ASYNC", NO_SUMS)
 
 
 # -- the train function (runs in the workers) ------------------------------------------------
@@ -78,7 +88,9 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
     import torchvision
 
     rank = lockstep.get_context().get_world_rank()
-    mode = CheckpointUploadMode(config["mode"])
+    if config["mode"] == NO_SUMS:
+        os.environ["LOCKSTEP_CHECKPOINT_CHECKSUMS"] = "0"
+    mode = CheckpointUploadMode(config["mode"].split("_")[0])
     torch.manual_seed(0)
     state = torchvision.models.resnet18().state_dict() if rank == 0 else None
     blocked: list[float] = []
@@ -231,7 +243,7 @@ def summarize(raw: dict[str, Any], size: int) -> dict[str, Any]:
     for target, entry in raw.items():
         plain = statistics.median(entry["plain_s"])
         rows: dict[str, Any] = {"plain": {"median_s": plain, "max_s": max(entry["plain_s"]), "mb_s": size / MB / plain}}
-        for mode in ("SYNC", "ASYNC"):
+        for mode in MODES:
             runs = entry[mode]
             blocked = [value for run in runs for value in run["blocked_s"]]
             median = statistics.median(blocked)
@@ -248,6 +260,9 @@ def summarize(raw: dict[str, Any], size: int) -> dict[str, Any]:
         rows["async_goal_met"] = async_ratio <= ASYNC_GOAL
         rows["sync_over_plain_throughput"] = throughput_ratio
         rows["throughput_goal_met"] = throughput_ratio >= THROUGHPUT_GOAL
+        without = rows[NO_SUMS]["blocked_median_s"]
+        rows["manifest_cost"] = (rows["SYNC"]["blocked_median_s"] - without) / without
+        rows["manifest_goal_met"] = rows["manifest_cost"] <= MANIFEST_GOALS[target]
         summary[target] = rows
     return summary
 
@@ -268,11 +283,12 @@ def markdown(summary: dict[str, Any], size: int, args: argparse.Namespace, info:
     for target, rows in summary.items():
         plain = rows["plain"]
         lines.append(f"| {target} | plain write | {plain['median_s']:.3f} | {plain['max_s']:.3f} | {plain['mb_s']:.0f} | – |")
-        for mode in ("SYNC", "ASYNC"):
+        for mode in MODES:
             row = rows[mode]
-            mb_s = f"{row['mb_s']:.0f}" if mode == "SYNC" else "–"
+            mb_s = f"{row['mb_s']:.0f}" if mode != "ASYNC" else "–"
+            shown = "SYNC without checksums" if mode == NO_SUMS else mode
             lines.append(
-                f"| {target} | lockstep {mode} | {row['blocked_median_s']:.3f} | {row['blocked_max_s']:.3f} | "
+                f"| {target} | lockstep {shown} | {row['blocked_median_s']:.3f} | {row['blocked_max_s']:.3f} | "
                 f"{mb_s} | {row['fit_median_s']:.2f} |"
             )
     lines += [
@@ -285,6 +301,10 @@ def markdown(summary: dict[str, Any], size: int, args: argparse.Namespace, info:
             f"| {target} | {rows['async_over_sync_blocked']:.3f} | {'PASS' if rows['async_goal_met'] else 'MISS'} | "
             f"{rows['sync_over_plain_throughput']:.2f} | {'PASS' if rows['throughput_goal_met'] else 'MISS'} |"
         )
+    lines += ["", "| target | manifest cost: SYNC blocked, with / without checksums - 1 | goal | |", "|---|---:|---:|---|"]
+    for target, rows in summary.items():
+        lines.append(f"| {target} | {rows['manifest_cost']:+.3f} | <= {MANIFEST_GOALS[target]:.2f} | "
+                     f"{'PASS' if rows['manifest_goal_met'] else 'MISS'} |")
     return "\n".join(lines)
 
 
@@ -313,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     info = machine()
     work = Path(tempfile.mkdtemp(prefix="lockstep_bench_", dir=args.work_dir))
-    raw: dict[str, Any] = {target: {"plain_s": [], "SYNC": [], "ASYNC": []} for target in args.targets}
+    raw: dict[str, Any] = {target: {"plain_s": [], **{mode: [] for mode in MODES}} for target in args.targets}
     try:
         with maybe_s3_server("s3" in args.targets) as env, environment(env):
             if env:
@@ -324,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
             source.parent.mkdir(parents=True)
             size = save_payload(source)
             for repeat in range(args.repeats):
-                modes = ["SYNC", "ASYNC"] if repeat % 2 == 0 else ["ASYNC", "SYNC"]
+                modes = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
                 for target in args.targets:
                     count = args.warmup + args.reports
                     if target == "local":
@@ -359,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         document = {
             "command": command, "machine": info, "payload_bytes": size, "payload": "resnet18 state_dict, rank 0 only",
             "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-            "goals": {"async_over_sync_blocked_max": ASYNC_GOAL, "sync_over_plain_throughput_min": THROUGHPUT_GOAL},
+            "goals": {"async_over_sync_blocked_max": ASYNC_GOAL, "sync_over_plain_throughput_min": THROUGHPUT_GOAL,
+                      "manifest_cost_max": MANIFEST_GOALS},
             "summary": summary, "raw": raw,
         }
         args.json.write_text(json.dumps(document, indent=1))
@@ -376,6 +397,9 @@ def goals_of(summary: dict[str, Any], args: argparse.Namespace) -> list[Goal]:
         goals.append(Goal(f"{target}: SYNC / plain-write throughput",
                           f"ratio of the medians ({samples} reports, {samples} plain writes)",
                           rows["sync_over_plain_throughput"], THROUGHPUT_GOAL, at_most=False))
+        goals.append(Goal(f"{target}: manifest cost (SYNC blocked with / without checksums - 1)",
+                          f"ratio of the medians ({samples} reports each)",
+                          rows["manifest_cost"], MANIFEST_GOALS[target]))
     return goals
 
 

@@ -35,6 +35,7 @@ KINDS = {
     "jobs": "bench_jobs.py",
     "timeline": "timeline.py",
     "checkpoint": "checkpoint_bench.py",
+    "throughput": "checkpoint_throughput.py",
     "ray": "ray_bench.py",
     "step": "step_bench.py",
     "payload": "payload_bench.py",

@@ -34,6 +34,7 @@ from lockstep.context import (
     report,
 )
 from lockstep.errors import (
+    CheckpointCorruptedError,
     ControllerError,
     HangUp,
     NCCLHangError,
@@ -80,6 +81,7 @@ __all__ = [
     "TRAIN_DATASET_KEY",
     "BackendConfig",
     "Checkpoint",
+    "CheckpointCorruptedError",
     "CheckpointConfig",
     "CheckpointConsistencyMode",
     "CheckpointUploadMode",

@@ -11,7 +11,8 @@ from typing import Any
 
 import fsspec
 
-from lockstep._internal.persist import filesystems
+from lockstep._internal.persist import filesystems, manifest
+from lockstep.errors import CheckpointCorruptedError
 
 __all__ = ["Checkpoint"]
 
@@ -39,6 +40,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str], filesystem: fsspec.AbstractFileSystem | None = None) -> None:
         self.filesystem, self.path = filesystems.resolve_filesystem(path, filesystem)
+        self._expects_manifest = False
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> Checkpoint:
@@ -73,12 +75,21 @@ class Checkpoint:
     def to_directory(self, path: str | os.PathLike[str] | None = None) -> str:
         """Copy the checkpoint's files into a local folder and return that folder.
 
+        The copy is checked against the manifest the run wrote when it committed the checkpoint
+        (every file's size and CRC-32); a checkpoint without one (written by an older lockstep,
+        or registered with NO_UPLOAD) is copied as it is, with a warning.
+
         Args:
             path: Destination folder (created if missing); a new temporary folder when None.
+
+        Raises:
+            CheckpointCorruptedError: a file is missing, or its size or checksum differs from
+                the manifest; the message names each such file.
         """
         destination = os.fspath(path) if path is not None else filesystems.make_temp_dir("lockstep_checkpoint_")
         os.makedirs(destination, exist_ok=True)
         filesystems.download_directory(self.filesystem, self.path, destination)
+        self._verify(destination)
         return destination
 
     @contextlib.contextmanager
@@ -86,9 +97,15 @@ class Checkpoint:
         """The checkpoint as a local folder for the duration of a ``with`` block.
 
         A local checkpoint is yielded in place (don't modify it); a remote one is downloaded
-        to a temporary folder that is removed when the block exits.
+        to a temporary folder that is removed when the block exits. Either way the files are
+        first checked against the checkpoint's manifest, as :meth:`to_directory` says.
+
+        Raises:
+            CheckpointCorruptedError: a file is missing, or its size or checksum differs from
+                the manifest written when the checkpoint was committed.
         """
         if self.is_local:
+            self._verify(self.path)
             yield self.path
             return
         local = self.to_directory()
@@ -96,6 +113,22 @@ class Checkpoint:
             yield local
         finally:
             shutil.rmtree(local, ignore_errors=True)
+
+    def _committed(self) -> Checkpoint:
+        """Mark this checkpoint as one a run committed: loading it without a manifest warns."""
+        self._expects_manifest = True
+        return self
+
+    def _verify(self, local_copy: str) -> None:
+        """Check the local folder ``local_copy`` of this checkpoint against its manifest."""
+        document = manifest.read_manifest(self.filesystem, self.path)
+        if document is None:
+            if getattr(self, "_expects_manifest", False):
+                manifest.warn_unverifiable(self.uri)
+            return
+        problems = manifest.verify_local(local_copy, document)
+        if problems:
+            raise CheckpointCorruptedError(self.uri, problems)
 
     def get_metadata(self) -> dict[str, Any]:
         """The metadata dict stored in the checkpoint (``{}`` when none)."""

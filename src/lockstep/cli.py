@@ -4,6 +4,7 @@ lockstep runs [STORAGE]                      # default ~/lockstep_results
 lockstep show RUN                            # a run folder, or a run name in --storage
 lockstep plot RUN [RUN ...] [--metric M ...] -o curves.png   # several runs: overlaid
 lockstep dashboard --storage PATH [--port N]  # a web dashboard (see lockstep.dashboard)
+lockstep verify RUN                          # check every kept checkpoint against its manifest
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lockstep._internal.output.metrics_text import metrics_text
 from lockstep._internal.persist.filesystems import join, resolve_filesystem
 from lockstep._internal.persist.outages import outages_line
 from lockstep._internal.persist.results import history_row, result_fields
+from lockstep._internal.persist.run_check import check_run
 from lockstep._internal.persist.run_status import shown_status
 from lockstep._internal.persist.storage import RECORD_FILE, RunStorage
 from lockstep._internal.run.stragglers import rank_table
@@ -231,7 +233,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
     add_dashboard_command(commands)
+    verify = commands.add_parser(
+        "verify", help="check every kept checkpoint of a run against its manifest (exit 1 if one is bad)"
+    )
+    verify.add_argument("run", help="the run folder (path or URI), or a run name in --storage")
+    verify.add_argument("--storage", default=DEFAULT_STORAGE_PATH, help="where to look a run name up")
     return parser.parse_args(argv)
+
+
+def verify_run(stored: StoredRun) -> int:
+    """``lockstep verify``: one line per kept checkpoint; 1 when one is damaged or missing."""
+    checks = check_run(*stored)
+    for check in checks:
+        print(check.line())
+    if not checks:
+        print(f"{stored[0].display_path} keeps no checkpoint")
+    return 1 if any(check.bad for check in checks) else 0
 
 
 DASHBOARD_HELP = """\
@@ -302,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
         elif args.command == "dashboard":
             run_dashboard(args)
+        elif args.command == "verify":
+            return verify_run(open_run(args.run, args.storage))
         elif args.command == "show":
             print(run_summary(open_run(args.run, args.storage), args.all), end="")
         else:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from lockstep.preemption import PreemptionInfo
 
 __all__ = [
+    "CheckpointCorruptedError",
     "ControllerError",
     "HangUp",
     "NCCLHangError",
@@ -323,6 +324,30 @@ class PreemptionError(TrainingFailedError):
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.args[0], self.preemption_info, self.drain_timed_out))
+
+
+class CheckpointCorruptedError(OSError):
+    """A checkpoint's files are not the files that were committed: one is missing, or its size
+    or checksum differs from the manifest written at the commit.
+
+    Attributes:
+        checkpoint: The checkpoint's path or URI.
+        problems: One line per damaged file.
+    """
+
+    def __init__(self, checkpoint: str, problems: list[str]) -> None:
+        self.checkpoint = checkpoint
+        self.problems = list(problems)
+        listed = "; ".join(self.problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        super().__init__(
+            f"checkpoint {checkpoint} is damaged: {listed}. Its files are not those written when it was "
+            "committed (their sizes and checksums are in its manifest, in the run folder's .lockstep_manifests/). "
+            "Load an older checkpoint of the run (`lockstep verify RUN` says which are whole), or restore the "
+            "folder from a copy."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.checkpoint, self.problems))
 
 
 def _picklable(error: BaseException | None) -> BaseException | None:

@@ -35,6 +35,10 @@ class ReportLog:
     def close(self) -> None:
         """Write out everything appended so far."""
 
+    def flush(self) -> None:
+        """Return once every line appended so far is in storage (before a record write names a
+        checkpoint, so that the record never counts a report the history lacks)."""
+
 
 class AppendingReportLog(ReportLog):
     """On local disk: each line is appended at once (one ``write``, microseconds)."""
@@ -89,7 +93,7 @@ class RewritingReportLog(ReportLog):
     def append(self, line: str) -> None:
         with self._changed:
             self._lines.append(line)
-            self._changed.notify()
+            self._changed.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="lockstep-report-log", daemon=True)
             self._thread.start()
@@ -113,11 +117,18 @@ class RewritingReportLog(ReportLog):
             logger.warning("could not write the report history %s: %s", self.path, error)
         with self._changed:
             self._written = len(lines)
+            self._changed.notify_all()
+
+    def flush(self) -> None:
+        with self._changed:
+            wanted = len(self._lines)
+            while self._written < wanted and self._thread is not None and self._thread.is_alive():
+                self._changed.wait()
 
     def close(self) -> None:
         with self._changed:
             self._closing = True
-            self._changed.notify()
+            self._changed.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

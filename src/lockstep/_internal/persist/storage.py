@@ -7,6 +7,7 @@ Run folder layout (``<storage_path>/<name>/``)::
                              first) and which of them are the best, error
     reports.jsonl            one JSON line per report(): report_index, timestamp, metrics, checkpoint
     checkpoint_000003/       checkpoints (every rank's files merged into one folder)
+    .lockstep_manifests/     checkpoint_000003.json: each file's size and CRC-32 (manifest.py)
 
 Workers write checkpoint files straight into their folder. A checkpoint counts only once the
 run record names it: the driver rewrites the record (a temporary file renamed over the old one
@@ -38,15 +39,17 @@ from lockstep._internal.persist.filesystems import (
     shown_path,
     upload_directory,
 )
+from lockstep._internal.persist.manifest import MANIFEST_DIR, FileSum, delete_manifest
 from lockstep._internal.persist.report_log import AppendingReportLog, ReportLog, RewritingReportLog, complete_lines
 from lockstep._internal.persist.retry import DEFAULT_RETRY_S, StorageRetry
+from lockstep._internal.persist.transfer import upload_with_checksums
 from lockstep.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
 RECORD_FILE = "lockstep_run.json"
 REPORTS_FILE = "reports.jsonl"
-RESERVED_NAMES = frozenset({RECORD_FILE, REPORTS_FILE})
+RESERVED_NAMES = frozenset({RECORD_FILE, REPORTS_FILE, MANIFEST_DIR})
 RECORD_FORMAT_VERSION = 1
 DEFAULT_CHECKPOINT_NAME = re.compile(r"^checkpoint_\d{6,}$")
 
@@ -177,12 +180,14 @@ class RunStorage:
     def checkpoint_of(self, entry: CheckpointEntry) -> Checkpoint:
         """The Checkpoint a record entry names."""
         if entry.path is not None:
-            return Checkpoint(entry.path)
-        return Checkpoint(self.checkpoint_path(entry.dir_name), self.filesystem)
+            return Checkpoint(entry.path)._committed()
+        return Checkpoint(self.checkpoint_path(entry.dir_name), self.filesystem)._committed()
 
-    def write_checkpoint(self, local_dir: str, dir_name: str) -> None:
-        """Copy one rank's checkpoint files into the folder of ``dir_name``."""
-        upload_directory(local_dir, self.filesystem, self.checkpoint_path(dir_name), self.retry)
+    def write_checkpoint(self, local_dir: str, dir_name: str) -> list[FileSum] | None:
+        """Copy one rank's checkpoint files into the folder of ``dir_name`` (each file retried
+        through the run's retry); return each file's relative path, size and CRC-32 (for the
+        manifest the commit writes)."""
+        return upload_with_checksums(local_dir, self.filesystem, self.checkpoint_path(dir_name), self.retry)
 
     def delete_checkpoint(self, dir_name: str) -> None:
         """Remove a checkpoint folder (after the record no longer names it)."""
@@ -191,6 +196,7 @@ class RunStorage:
         def delete() -> None:
             if self.filesystem.exists(path):
                 self.filesystem.rm(path, recursive=True)
+            delete_manifest(self.filesystem, path)
 
         self.retry.call("delete_checkpoint", shown_path(self.filesystem, path), delete)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lockstep._internal.persist.filesystems import is_local
+from lockstep._internal.persist.manifest import FileSum
 from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
 from lockstep._internal.rank.progress import PROGRESS
 from lockstep._internal.wire import protocol
@@ -43,9 +44,12 @@ class Upload:
     delete_local: bool = False
 
 
-def upload(context: TrainContext, checkpoint: Checkpoint, job: Upload, given_goes: bool = False) -> str | None:
+def upload(
+    context: TrainContext, checkpoint: Checkpoint, job: Upload, given_goes: bool = False
+) -> tuple[str | None, list[FileSum] | None]:
     """Put this rank's files of ``checkpoint`` in storage; return where the checkpoint is when
-    ``job.upload_fn`` put it somewhere other than its folder in the run (else ``None``).
+    ``job.upload_fn`` put it somewhere other than its folder in the run (else ``None``), and
+    the path, size and CRC-32 of each file lockstep copied (``None`` when ``job.upload_fn`` did).
     ``given_goes``: ``checkpoint``'s folder is deleted after the upload (ASYNC's staged copy).
 
     Raises:
@@ -55,8 +59,7 @@ def upload(context: TrainContext, checkpoint: Checkpoint, job: Upload, given_goe
     """
     if job.upload_fn is None:
         with checkpoint.as_directory() as local_dir:
-            write_checkpoint(context, local_dir, job.dir_name)
-        return None
+            return None, write_checkpoint(context, local_dir, job.dir_name)
     uploaded = job.upload_fn(checkpoint, job.dir_name)
     if not isinstance(uploaded, Checkpoint):
         raise TypeError(
@@ -70,14 +73,14 @@ def upload(context: TrainContext, checkpoint: Checkpoint, job: Upload, given_goe
             "upload); return a Checkpoint of the uploaded copy."
         )
     standard = context.storage.checkpoint_of(CheckpointEntry(job.dir_name, 0))
-    return None if uploaded == standard else uploaded.uri
+    return (None if uploaded == standard else uploaded.uri), None
 
 
-def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> None:
+def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> list[FileSum] | None:
     """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure (a
-    full or unreachable storage keeps its error class)."""
+    full or unreachable storage keeps its error class); each file's size and CRC-32."""
     try:
-        context.storage.write_checkpoint(local_dir, dir_name)
+        return context.storage.write_checkpoint(local_dir, dir_name)
     except (StorageFullError, StorageUnreachableError) as error:
         raise type(error)(f"rank {context.world_rank}: checkpoint {dir_name}: {error}") from error
     except Exception as error:
@@ -152,16 +155,21 @@ class CheckpointUploader:
     def _upload_loop(self) -> None:
         while (item := self._jobs.get()) is not None:
             index, job, staged = item
-            error = external = None
+            error = external = files = None
             try:
                 with PROGRESS.making_progress():
-                    external = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
+                    external, files = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
             except Exception as failure:  # noqa: BLE001 - the driver must hear of every failed upload
                 error = str(failure) if type(failure) is OSError else f"{type(failure).__name__}: {failure}"
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
             message = protocol.CheckpointUploaded(
-                rank=self._context.world_rank, index=index, dir_name=job.dir_name, error=error, external_path=external
+                rank=self._context.world_rank,
+                index=index,
+                dir_name=job.dir_name,
+                error=error,
+                external_path=external,
+                files=files,
             )
             self._channel.send(message)
 

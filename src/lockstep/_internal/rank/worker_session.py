@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
+from lockstep._internal.persist.manifest import FileSum
 from lockstep._internal.persist.storage import RESERVED_NAMES
 from lockstep._internal.rank.checkpoint_upload import (
     CheckpointUploader,
@@ -88,13 +89,14 @@ class WorkerSession:
         message = protocol.Report(self.context.world_rank, index, metrics_json if sends_metrics else None)
         if checkpoint is not None:
             job = Upload(self._new_dir_name(checkpoint_dir_name, index), upload_fn, delete_local_after_upload)
-            state, external = self._persist(checkpoint, job, index, upload_mode)
+            state, external, files = self._persist(checkpoint, job, index, upload_mode)
             message = dataclasses.replace(
                 message,
                 checkpoint_dir_name=job.dir_name,
                 checkpoint_state=state,
                 external_path=external,
                 validation=request,
+                files=files,
             )
         try:
             done = self._call(dataclasses.replace(message, step_times=CLOCK.close_window()), protocol.ReportDone)
@@ -167,8 +169,9 @@ class WorkerSession:
 
     def _persist(
         self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
-    ) -> tuple[str, str | None]:
-        """Put this rank's checkpoint files where they belong; return (state, external path).
+    ) -> tuple[str, str | None, list[FileSum] | None]:
+        """Put this rank's checkpoint files where they belong; return (state, external path,
+        each file's path, size and CRC-32 when lockstep copied them into the run folder).
         However long that takes, the rank is making progress (not hung).
 
         The local folder goes after a SYNC upload succeeded, and for ASYNC once it is staged
@@ -180,7 +183,7 @@ class WorkerSession:
 
     def _persist_now(
         self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
-    ) -> tuple[str, str | None]:
+    ) -> tuple[str, str | None, list[FileSum] | None]:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 f"report(checkpoint=...) takes a lockstep.Checkpoint, got {type(checkpoint).__name__}; "
@@ -192,7 +195,7 @@ class WorkerSession:
                     "report(checkpoint_upload_mode=NO_UPLOAD) uploads nothing: checkpoint_upload_fn and "
                     "delete_local_checkpoint_after_upload are not used."
                 )
-            return "external", checkpoint.uri
+            return "external", checkpoint.uri, None
         if job.delete_local:
             check_deletable(checkpoint, self.context.storage)
         self._check_shared_storage()
@@ -201,13 +204,13 @@ class WorkerSession:
             if self._uploader is None:
                 self._uploader = CheckpointUploader(self.context, self._channel)
             self._uploader.submit(index, checkpoint, job)
-            state, external = "uploading", None
+            state, external, files = "uploading", None, None
         else:
-            external = upload(self.context, checkpoint, job)
+            external, files = upload(self.context, checkpoint, job)
             state = "written" if external is None else "external"
         if job.delete_local:
             delete_local(checkpoint)
-        return state, external
+        return state, external, files
 
     def _check_shared_storage(self) -> None:
         """The driver's run record must be visible here, or checkpoint files would land

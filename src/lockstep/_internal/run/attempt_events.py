@@ -275,6 +275,7 @@ class AttemptEvents:
                 pending.metrics,
                 external_path=pending.external_path,
                 validation=pending.validation,
+                files=pending.files,
             )
             if self.validations is not None and entry.validation_request is not None:
                 self.validations.submit(entry)

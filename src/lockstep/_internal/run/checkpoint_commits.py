@@ -9,7 +9,7 @@ never committed can be deleted before a restart.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep._internal.run.failures import FailureKind
@@ -20,13 +20,15 @@ from lockstep.errors import TrainingFailedError, WorkerFailure
 @dataclass
 class PendingCheckpoint:
     """A reported checkpoint whose ASYNC uploads are still running on ``waiting`` ranks, and
-    the validation its report asked for (see :class:`~lockstep._internal.wire.protocol.Report`)."""
+    the validation its report asked for (see :class:`~lockstep._internal.wire.protocol.Report`);
+    ``files``: each rank's files so far, for the checkpoint's manifest."""
 
     dir_name: str
     metrics: dict[str, Any]
     waiting: set[int]
     external_path: str | None = None
     validation: bool | dict[str, Any] | None = None
+    files: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class CheckpointCommits:
@@ -36,6 +38,7 @@ class CheckpointCommits:
         self.pending: dict[int, PendingCheckpoint] = {}
         self.uploaded_early: set[tuple[int, int]] = set()
         self.early_external_paths: dict[int, str] = {}
+        self.early_files: dict[int, dict[int, list[Any]]] = {}
         self.written_dir_names: set[str] = set()
 
     def writing(self, dir_name: str) -> None:
@@ -54,8 +57,10 @@ class CheckpointCommits:
         external = external or self.early_external_paths.pop(index, None)
         # as in Ray Train: the validation asked for by the lowest rank that passed a checkpoint
         validation = min(with_checkpoint, key=lambda call: call.rank).validation
+        files = {call.rank: call.files for call in with_checkpoint if call.files is not None}
+        files.update(self.early_files.pop(index, {}))
         self.pending[index] = PendingCheckpoint(
-            dir_name, metrics, uploading, external_path=external, validation=validation
+            dir_name, metrics, uploading, external_path=external, validation=validation, files=files
         )
 
     def uploaded(self, event: CheckpointUploaded) -> WorkerFailure | None:
@@ -67,9 +72,13 @@ class CheckpointCommits:
             self.uploaded_early.add((event.index, event.rank))
             if event.external_path:
                 self.early_external_paths.setdefault(event.index, event.external_path)
+            if event.files is not None:
+                self.early_files.setdefault(event.index, {})[event.rank] = event.files
         else:
             pending.waiting.discard(event.rank)
             pending.external_path = pending.external_path or event.external_path
+            if event.files is not None:
+                pending.files[event.rank] = event.files
         return None
 
     def first_pending(self) -> int | None:

@@ -4,6 +4,7 @@ record in storage, resuming an earlier run of the same name, and the final Resul
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -13,6 +14,8 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+from lockstep._internal.persist.filesystems import shown_path
+from lockstep._internal.persist.manifest import write_manifest
 from lockstep._internal.persist.outages import RECORD_KEY as OUTAGES_KEY
 from lockstep._internal.persist.outages import add_outage
 from lockstep._internal.persist.results import error_to_record, result_fields
@@ -218,9 +221,16 @@ class RunRecorder:
         metrics: dict[str, Any],
         external_path: str | None = None,
         validation: bool | dict[str, Any] | None = None,
+        files: dict[int, list[Any]] | None = None,
     ) -> CheckpointEntry:
         """Make a fully written checkpoint the run's latest; with a ``validation`` request, it
-        is recorded as pending validation (with the request, so a later run can start it)."""
+        is recorded as pending validation (with the request, so a later run can start it).
+        ``files`` (each rank's, as the ranks copied them) go into its manifest first."""
+        if files and external_path is None:
+            folder = self.storage.checkpoint_path(dir_name)
+            write = functools.partial(write_manifest, self.storage.filesystem, folder, files)
+            self.storage.retry.call("write_manifest", shown_path(self.storage.filesystem, folder), write)
+        self._log.flush()
         entry = CheckpointEntry(dir_name, report_index, metrics, external_path)
         if validation is not None:
             entry = replace(entry, validation=PENDING_VALIDATION, validation_request=validation)

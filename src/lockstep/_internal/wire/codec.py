@@ -1,10 +1,10 @@
 """Messages as bytes: what :mod:`lockstep._internal.wire.protocol`'s messages look like on the wire.
 
 Every message is JSON, except the one every rank sends at every report (:class:`Report`, unless
-it asks for a checkpoint validation), which has a fixed binary layout that is an order of
-magnitude cheaper to read (the driver reads one per rank per report). Either way, reading a
-message can build nothing but plain data and the dataclasses listed in
-``protocol.MESSAGE_TYPES``: nothing is ever unpickled here.
+it asks for a checkpoint validation or lists the files of a checkpoint it wrote), which has a
+fixed binary layout that is an order of magnitude cheaper to read (the driver reads one per
+rank per report). Either way, reading a message can build nothing but plain data and the
+dataclasses listed in ``protocol.MESSAGE_TYPES``: nothing is ever unpickled here.
 
 The binary report: a ``0x01`` byte, rank and index (signed 64-bit), a flags byte (bit 0: it has
 step times), the four step times (64-bit floats), then the four optional strings
@@ -37,7 +37,7 @@ _PLAIN_REPORT_SIZE = _REPORT_HEAD.size + len(_FOUR_NONES)
 
 def encode(message: Any) -> bytes:
     """A message as bytes (JSON, or the binary layout of a Report)."""
-    if type(message) is Report and message.validation is None:  # (a validation request travels as JSON)
+    if type(message) is Report and message.validation is None and message.files is None:  # (else as JSON)
         return _encode_report(message)
     return json.dumps(_plain(message), separators=(",", ":")).encode()
 

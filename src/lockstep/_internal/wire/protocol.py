@@ -68,6 +68,8 @@ class Report:
     rank's time since its previous report went (see :mod:`lockstep._internal.rank.step_timing`).
     ``validation``: what ``report(validation=...)`` asked for with this rank's checkpoint
     (True: the defaults; a dict: a ValidationTaskConfig's ``fn_kwargs`` and ``timeout_s``).
+    ``files``: with ``"written"``, each file's ``[relative path, size, CRC-32]`` for the
+    checkpoint's manifest (:mod:`lockstep._internal.persist.manifest`).
     """
 
     rank: int
@@ -78,6 +80,7 @@ class Report:
     external_path: str | None = None
     step_times: StepTimes | None = None
     validation: bool | dict[str, Any] | None = None
+    files: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,14 @@ class WritingCheckpoint:
 class CheckpointUploaded:
     """A rank's ASYNC upload for report ``index`` ended (``error`` says why it failed).
     ``external_path`` is set when a ``checkpoint_upload_fn`` put the checkpoint somewhere other
-    than its folder in the run."""
+    than its folder in the run. ``files``: as :class:`Report`'s, for the files it copied."""
 
     rank: int
     index: int
     dir_name: str
     error: str | None = None
     external_path: str | None = None
+    files: list[Any] | None = None
 
 
 @dataclass(frozen=True)

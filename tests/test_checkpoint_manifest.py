@@ -1,0 +1,185 @@
+"""Every committed checkpoint is verifiable: its manifest (each file's size and CRC-32, written at
+the commit) is checked wherever a checkpoint is loaded, and `lockstep verify` checks a whole run.
+Real runs on local disk and on the S3 test server; the damage is done to the real files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import lockstep
+from lockstep import Checkpoint, CheckpointCorruptedError, Result, RunConfig, ScalingConfig, TrainingFailedError
+from lockstep._internal.persist.manifest import MANIFEST_DIR, merged, problem_of
+from lockstep.cli import main as cli_main
+from lockstep.torch import TorchTrainer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def write_checkpoints(config: dict) -> None:
+    """Each rank writes its own file and a shared one; resume reads them (a damaged checkpoint fails here)."""
+    rank = lockstep.get_context().get_world_rank()
+    first = 0
+    start = lockstep.get_checkpoint()
+    if start is not None:
+        with start.as_directory() as folder:
+            first = int(Path(folder, "step.txt").read_text()) + 1
+    for step in range(first, first + config["steps"]):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step.txt").write_text(str(step))
+            Path(folder, "sub").mkdir()
+            Path(folder, "sub", f"rank{rank}.bin").write_bytes(os.urandom(config.get("bytes", 3000)))
+            mode = config.get("modes", ["SYNC"])[step % len(config.get("modes", ["SYNC"]))]
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder), checkpoint_upload_mode=mode)
+
+
+def fit(storage_path: str, name: str, **config: object) -> Result:
+    return TorchTrainer(write_checkpoints, train_loop_config={"steps": 2, **config},
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name=name, storage_path=storage_path)).fit()
+
+
+def verify(run: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    code = cli_main(["verify", run])
+    captured = capsys.readouterr()
+    assert code != 2, captured.err
+    return code, captured.out.splitlines()
+
+
+def test_local_checkpoints_are_verified_and_damage_is_named(
+    storage_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = fit(storage_path, "local", steps=3, modes=["SYNC", "ASYNC"])
+    run = Path(storage_path, "local")
+    manifest = json.loads((run / MANIFEST_DIR / "checkpoint_000002.json").read_text())
+    assert sorted(manifest["files"]) == ["step.txt", "sub/rank0.bin", "sub/rank1.bin"]
+    assert manifest["files"]["sub/rank1.bin"] == [
+        {"size": 3000, "crc32": manifest["files"]["sub/rank1.bin"][0]["crc32"], "ranks": [1]}]
+    # both ranks wrote step.txt with the same bytes: one version, written by both
+    assert [version["ranks"] for version in manifest["files"]["step.txt"]] == [[0, 1]]
+    assert sorted(os.listdir(result.checkpoint.path)) == ["step.txt", "sub"], "the manifest is not in the folder"
+
+    code, lines = verify(str(run), capsys)
+    assert code == 0
+    assert [line.split()[:2] for line in lines] == [[f"checkpoint_00000{i}", "whole"] for i in range(3)]
+
+    latest = Path(result.checkpoint.path)
+    (latest / "sub" / "rank1.bin").write_bytes(b"short")                       # truncated
+    older = Path(run, "checkpoint_000001")
+    data = bytearray((older / "sub" / "rank0.bin").read_bytes())
+    data[100] ^= 0xFF
+    (older / "sub" / "rank0.bin").write_bytes(bytes(data))                     # same size, one byte flipped
+    (Path(run, "checkpoint_000000") / "step.txt").unlink()                     # lost
+
+    with pytest.raises(CheckpointCorruptedError, match=r"sub/rank1.bin: 5 bytes, 3000 when committed "
+                                                       r"\(written by rank 1\).*lockstep verify RUN") as damaged:
+        with result.checkpoint.as_directory():
+            pass
+    assert damaged.value.problems == ["sub/rank1.bin: 5 bytes, 3000 when committed (written by rank 1)"]
+    assert pickle.loads(pickle.dumps(damaged.value)).problems == damaged.value.problems
+    with pytest.raises(CheckpointCorruptedError, match=r"sub/rank0.bin: checksum differs"):
+        Result.from_path(str(run)).best_checkpoints[1][0].to_directory(tempfile.mkdtemp(dir=storage_path))
+
+    code, lines = verify(str(run), capsys)
+    assert code == 1
+    assert "step.txt: missing (written by rank 0, 1)" in lines[0] and "DAMAGED" in lines[0]
+    assert "checksum differs" in lines[1] and "5 bytes, 3000" in lines[2]
+
+    # a rerun resumes from the latest checkpoint: each rank's get_checkpoint() finds the damage
+    with pytest.raises(TrainingFailedError, match=r"CheckpointCorruptedError.*sub/rank1.bin: 5 bytes"):
+        fit(storage_path, "local", steps=1)
+
+
+def test_s3_checkpoints_are_verified(s3_env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    import s3fs
+
+    result = fit("s3://runs/verify", "s3", bytes=200_000, modes=["ASYNC", "SYNC"])
+    code, lines = verify("s3://runs/verify/s3", capsys)
+    assert code == 0 and len(lines) == 2 and all(" whole " in line for line in lines)
+    with result.checkpoint.as_directory() as folder:
+        assert sorted(os.listdir(folder)) == ["step.txt", "sub"]
+
+    s3 = s3fs.S3FileSystem(skip_instance_cache=True)
+    s3.pipe_file("runs/verify/s3/checkpoint_000001/sub/rank0.bin", os.urandom(200_000))
+    with pytest.raises(CheckpointCorruptedError, match=r"sub/rank0.bin: checksum differs .*\(written by rank 0\)"):
+        result.checkpoint.to_directory()
+    code, lines = verify("s3://runs/verify/s3", capsys)
+    assert code == 1 and " whole " in lines[0] and "DAMAGED" in lines[1]
+
+
+def register_in_place(config: dict) -> None:
+    Path(config["folder"]).mkdir(exist_ok=True)
+    Path(config["folder"], "model.txt").write_text("weights")
+    lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(config["folder"]),
+                    checkpoint_upload_mode="NO_UPLOAD")
+
+
+def test_checkpoint_without_manifest_loads_with_one_warning(
+    storage_path: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = TorchTrainer(register_in_place, train_loop_config={"folder": str(tmp_path / "mine")},
+                          run_config=RunConfig(name="inplace", storage_path=storage_path)).fit()
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        for _ in range(3):
+            with result.checkpoint.as_directory() as folder:
+                assert Path(folder, "model.txt").read_text() == "weights"
+    warnings = [record.getMessage() for record in caplog.records if "no manifest" in record.getMessage()]
+    assert len(warnings) == 1 and str(tmp_path / "mine") in warnings[0]
+    code, lines = verify(str(Path(storage_path, "inplace")), capsys)
+    assert code == 0 and "unverified" in lines[0]
+    # a user's own folder, not from a run, loads silently
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lockstep"), Checkpoint.from_directory(tmp_path / "mine").as_directory():
+        pass
+    assert not caplog.records
+
+
+def test_files_written_differently_by_two_ranks_match_either_version() -> None:
+    files = merged({1: [("model.pt", 10, 7), ("b", 1, 1)], 0: [("model.pt", 10, 9)], 2: [("model.pt", 10, 7)]})
+    assert files["model.pt"] == [{"size": 10, "crc32": 9, "ranks": [0]}, {"size": 10, "crc32": 7, "ranks": [1, 2]}]
+    assert problem_of("model.pt", files["model.pt"], (10, 7)) is None
+    assert problem_of("model.pt", files["model.pt"], (10, 8)) == (
+        "model.pt: checksum differs (crc32 00000008, 00000009 when committed) (written by rank 0, 1, 2)")
+    assert problem_of("b", files["b"], None) == "b: missing (written by rank 1)"
+
+
+def test_a_report_listing_checkpoint_files_travels_as_json() -> None:
+    from lockstep._internal.wire import codec, protocol
+
+    report = protocol.Report(1, 4, None, "checkpoint_000004", "written", files=[["sub/rank1.bin", 3000, 123]])
+    encoded = codec.encode(report)
+    assert json.loads(encoded)["files"] == [["sub/rank1.bin", 3000, 123]]
+    assert codec.decode(encoded) == report
+
+
+def test_a_file_checksummed_on_several_threads_has_zlibs_crc(tmp_path: Path) -> None:
+    import zlib
+
+    from lockstep._internal.persist.crc import BLOCK, crc32_of_file
+
+    for size in (0, 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12_345):
+        data = os.urandom(size)
+        Path(tmp_path, "f").write_bytes(data)
+        assert crc32_of_file(str(tmp_path / "f"), threads=3) == (size, zlib.crc32(data)), size
+
+
+def test_the_history_is_in_the_store_before_a_record_names_a_checkpoint(s3_env: dict[str, str]) -> None:
+    import s3fs
+
+    from lockstep._internal.persist.report_log import RewritingReportLog
+
+    s3 = s3fs.S3FileSystem(skip_instance_cache=True)
+    log = RewritingReportLog(s3, "runs/flushed/reports.jsonl", ['{"report_index": 0}'])
+    for index in range(1, 40):
+        log.append(json.dumps({"report_index": index}))
+    log.flush()  # what RunRecorder.commit_checkpoint does before the record write
+    s3.invalidate_cache()
+    lines = s3.cat_file("runs/flushed/reports.jsonl").decode().splitlines()
+    assert [json.loads(line)["report_index"] for line in lines] == list(range(40))
+    log.close()
