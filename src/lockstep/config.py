@@ -179,38 +179,7 @@ class FailureConfig:
     hang_first_step_timeout_s: float | None = DEFAULT_HANG_FIRST_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        config_checks.check_fail_fast(self.fail_fast, self.max_failures)
-        config_checks.check_hang_settings(self.hang_timeout_s, self.hang_step_multiple, self.hang_first_step_timeout_s)
-        if (
-            isinstance(self.preemption_grace_s, bool)
-            or not isinstance(self.preemption_grace_s, (int, float))
-            or self.preemption_grace_s < 0
-        ):
-            raise ValueError(
-                f"FailureConfig.preemption_grace_s must be a number of seconds >= 0, got {self.preemption_grace_s!r}."
-            )
-        if (
-            isinstance(self.max_preemption_failures, bool)
-            or not isinstance(self.max_preemption_failures, int)
-            or self.max_preemption_failures < -1
-        ):
-            raise ValueError(
-                "FailureConfig.max_preemption_failures must be an int >= 0, or -1; got "
-                f"{self.max_preemption_failures!r}."
-            )
-        if self.report_timeout_s is not None and (
-            isinstance(self.report_timeout_s, bool)
-            or not isinstance(self.report_timeout_s, (int, float))
-            or self.report_timeout_s <= 0
-        ):
-            raise ValueError(
-                "FailureConfig.report_timeout_s must be a number of seconds > 0 or None, "
-                f"got {self.report_timeout_s!r}."
-            )
-        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < -1:
-            raise ValueError(
-                f"FailureConfig.max_failures must be an int >= 0, or -1 for no limit; got {self.max_failures!r}."
-            )
+        config_checks.check_failure_config(self)
 
 
 @dataclass
@@ -235,23 +204,7 @@ class CheckpointConfig:
     checkpoint_at_end: bool | None = None
 
     def __post_init__(self) -> None:
-        config_checks.check_v1_checkpoint_fields(self.checkpoint_frequency, self.checkpoint_at_end)
-        if self.num_to_keep is not None and (
-            isinstance(self.num_to_keep, bool) or not isinstance(self.num_to_keep, int) or self.num_to_keep < 1
-        ):
-            raise ValueError(
-                f"CheckpointConfig.num_to_keep must be None (keep all) or an int >= 1, got {self.num_to_keep!r}; "
-                "to keep no checkpoints, don't pass one to report()."
-            )
-        if self.checkpoint_score_order not in ("max", "min"):
-            raise ValueError(
-                f"CheckpointConfig.checkpoint_score_order must be 'max' or 'min', got {self.checkpoint_score_order!r}."
-            )
-        if self.checkpoint_score_attribute is not None and not isinstance(self.checkpoint_score_attribute, str):
-            raise ValueError(
-                "CheckpointConfig.checkpoint_score_attribute must be a metric name (str), "
-                f"got {self.checkpoint_score_attribute!r}."
-            )
+        config_checks.check_checkpoint_config(self)
 
 
 @dataclass

@@ -262,3 +262,58 @@ def check_hang_settings(timeout_s: Any, step_multiple: Any, first_step_timeout_s
 
 def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def check_failure_config(config: Any) -> None:
+    """Every field of a ``FailureConfig``."""
+    check_fail_fast(config.fail_fast, config.max_failures)
+    check_hang_settings(config.hang_timeout_s, config.hang_step_multiple, config.hang_first_step_timeout_s)
+    if (
+        isinstance(config.preemption_grace_s, bool)
+        or not isinstance(config.preemption_grace_s, (int, float))
+        or config.preemption_grace_s < 0
+    ):
+        raise ValueError(
+            f"FailureConfig.preemption_grace_s must be a number of seconds >= 0, got {config.preemption_grace_s!r}."
+        )
+    if (
+        isinstance(config.max_preemption_failures, bool)
+        or not isinstance(config.max_preemption_failures, int)
+        or config.max_preemption_failures < -1
+    ):
+        raise ValueError(
+            f"FailureConfig.max_preemption_failures must be an int >= 0, or -1; got {config.max_preemption_failures!r}."
+        )
+    if config.report_timeout_s is not None and (
+        isinstance(config.report_timeout_s, bool)
+        or not isinstance(config.report_timeout_s, (int, float))
+        or config.report_timeout_s <= 0
+    ):
+        raise ValueError(
+            f"FailureConfig.report_timeout_s must be a number of seconds > 0 or None, got {config.report_timeout_s!r}."
+        )
+    if isinstance(config.max_failures, bool) or not isinstance(config.max_failures, int) or config.max_failures < -1:
+        raise ValueError(
+            f"FailureConfig.max_failures must be an int >= 0, or -1 for no limit; got {config.max_failures!r}."
+        )
+
+
+def check_checkpoint_config(config: Any) -> None:
+    """Every field of a ``CheckpointConfig``."""
+    check_v1_checkpoint_fields(config.checkpoint_frequency, config.checkpoint_at_end)
+    if config.num_to_keep is not None and (
+        isinstance(config.num_to_keep, bool) or not isinstance(config.num_to_keep, int) or config.num_to_keep < 1
+    ):
+        raise ValueError(
+            f"CheckpointConfig.num_to_keep must be None (keep all) or an int >= 1, got {config.num_to_keep!r}; "
+            "to keep no checkpoints, don't pass one to report()."
+        )
+    if config.checkpoint_score_order not in ("max", "min"):
+        raise ValueError(
+            f"CheckpointConfig.checkpoint_score_order must be 'max' or 'min', got {config.checkpoint_score_order!r}."
+        )
+    if config.checkpoint_score_attribute is not None and not isinstance(config.checkpoint_score_attribute, str):
+        raise ValueError(
+            "CheckpointConfig.checkpoint_score_attribute must be a metric name (str), "
+            f"got {config.checkpoint_score_attribute!r}."
+        )
