@@ -342,20 +342,11 @@ def storage_roots(args: argparse.Namespace) -> Iterator[dict[str, str]]:
         yield roots
         return
     sys.path.insert(0, str(REPO / "tests"))
-    from s3_server import apply_env, restore_env, s3_server
+    from s3_server import s3_environment, s3_server
 
-    with s3_server() as env:
-        previous = apply_env(env)
-        try:
-            import s3fs
-
-            s3fs.S3FileSystem.clear_instance_cache()
-            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("kills")
-            roots["s3"] = "s3://kills/runs"
-            yield roots
-        finally:
-            restore_env(previous)
-            s3fs.S3FileSystem.clear_instance_cache()
+    with s3_server() as env, s3_environment(env, bucket="kills"):
+        roots["s3"] = "s3://kills/runs"
+        yield roots
 
 
 def summary(trials: list[dict[str, Any]]) -> str:

@@ -193,19 +193,10 @@ def data_dir() -> Path:
 def s3_env() -> Iterator[dict[str, str]]:
     """A moto S3 server (a real process on 127.0.0.1) for one test module, with the bucket "runs"
     created and the AWS_* variables pointing at it."""
-    from s3_server import apply_env, restore_env, s3_server
+    from s3_server import s3_environment, s3_server
 
-    with s3_server() as env:
-        previous = apply_env(env)
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()  # cached instances point at an earlier server
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("runs")
-        try:
-            yield env
-        finally:
-            restore_env(previous)
-            s3fs.S3FileSystem.clear_instance_cache()
+    with s3_server() as env, s3_environment(env):
+        yield env
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,19 @@ def restore_env(previous: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@contextmanager
+def s3_environment(env: dict[str, str], bucket: str = "runs") -> Iterator[None]:
+    """While the ``with`` block runs: ``env`` in os.environ (the AWS_* variables of a server),
+    s3fs without instances cached for an earlier server, and ``bucket`` created."""
+    import s3fs
+
+    previous = apply_env(env)
+    try:
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+        yield
+    finally:
+        restore_env(previous)
+        s3fs.S3FileSystem.clear_instance_cache()

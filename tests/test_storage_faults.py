@@ -27,7 +27,7 @@ from lockstep._internal.persist.retry_counts import retry_counts
 from lockstep.errors import StorageUnreachableError
 from lockstep.torch import TorchTrainer
 from fault_proxy import FaultProxy
-from s3_server import apply_env, restore_env, s3_server
+from s3_server import s3_environment, s3_server
 from storage_faults import closed_port, mount_unavailable_reason, resize, small_filesystem
 
 RETRY_LOGGER = "lockstep._internal.persist.retry"
@@ -37,17 +37,12 @@ RETRY_LOGGER = "lockstep._internal.persist.retry"
 def proxied_s3() -> Iterator[FaultProxy]:
     """The S3 test server behind the proxy, the AWS_* variables pointing at the proxy, and the
     bucket "runs" made."""
-    import s3fs
-
-    with s3_server() as env, FaultProxy(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])) as proxy:
-        previous = apply_env({**env, "AWS_ENDPOINT_URL": proxy.url})
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("runs")
-        try:
-            yield proxy
-        finally:
-            restore_env(previous)
-            s3fs.S3FileSystem.clear_instance_cache()
+    with (
+        s3_server() as env,
+        FaultProxy(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])) as proxy,
+        s3_environment({**env, "AWS_ENDPOINT_URL": proxy.url}),
+    ):
+        yield proxy
 
 
 @pytest.fixture
