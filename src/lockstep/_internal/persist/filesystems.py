@@ -113,35 +113,6 @@ def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
     return isinstance(filesystem, LocalFileSystem)
 
 
-def upload_directory(
-    local_dir: str,
-    filesystem: fsspec.AbstractFileSystem,
-    destination: str,
-    retry: StorageRetry | None = None,
-    operation: str = "upload_checkpoint",
-) -> None:
-    """Copy a local folder's files into ``destination`` on ``filesystem`` (merging with what is
-    there), one file at a time, each retried through ``retry`` (see
-    :mod:`lockstep._internal.persist.retry`; a default one when None).
-
-    Raises:
-        StorageFullError: no space left for the files.
-        StorageUnreachableError: storage kept failing past the retry bound.
-    """
-    retry = retry or _DEFAULT_RETRY
-    needed = functools.partial(folder_size, local_dir)
-    local = is_local(filesystem)
-    for root, _, files in os.walk(local_dir, followlinks=True):
-        relative = os.path.relpath(root, local_dir)
-        target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
-        shown = shown_path(filesystem, target)
-        if local or not is_object_store(filesystem):
-            retry.call(operation, shown, functools.partial(filesystem.makedirs, target, exist_ok=True), needed)
-        copy = shutil.copy2 if local else filesystem.put_file
-        for name in files:
-            retry.call(operation, shown, functools.partial(copy, os.path.join(root, name), join(target, name)), needed)
-
-
 def download_directory(
     filesystem: fsspec.AbstractFileSystem, source: str, local_dir: str, retry: StorageRetry | None = None
 ) -> None:

@@ -37,7 +37,6 @@ from lockstep._internal.persist.filesystems import (
     make_temp_dir,
     resolve_filesystem,
     shown_path,
-    upload_directory,
 )
 from lockstep._internal.persist.manifest import MANIFEST_DIR, FileSum, delete_manifest
 from lockstep._internal.persist.report_log import AppendingReportLog, ReportLog, RewritingReportLog, complete_lines
@@ -235,8 +234,8 @@ class RunStorage:
     def upload_logs(self, local_dir: str) -> None:
         """Copy worker logs from a local folder into the run folder's ``logs/`` (remote storage)."""
         if not is_local(self.filesystem):
-            upload_directory(
-                local_dir, self.filesystem, self.path_of("logs"), retry=self.retry, operation="upload_logs"
+            upload_with_checksums(
+                local_dir, self.filesystem, self.path_of("logs"), self.retry, checksums=False, operation="upload_logs"
             )
             shutil.rmtree(local_dir, ignore_errors=True)
 

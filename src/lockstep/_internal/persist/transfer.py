@@ -42,7 +42,9 @@ def files_of(local_dir: str) -> list[tuple[str, str]]:
     return sorted(found, key=lambda item: item[1])
 
 
-def _make_folders(local_dir: str, filesystem: fsspec.AbstractFileSystem, destination: str, retry: StorageRetry) -> None:
+def _make_folders(
+    local_dir: str, filesystem: fsspec.AbstractFileSystem, destination: str, retry: StorageRetry, operation: str
+) -> None:
     """Create ``destination`` and its subfolders (object stores have none to create)."""
     if is_object_store(filesystem):
         return
@@ -50,7 +52,7 @@ def _make_folders(local_dir: str, filesystem: fsspec.AbstractFileSystem, destina
     for root, _, _ in os.walk(local_dir):
         relative = os.path.relpath(root, local_dir)
         target = destination if relative == "." else join(destination, relative.replace(os.sep, "/"))
-        retry.call(OPERATION, shown_path(filesystem, target), functools.partial(make, target, exist_ok=True))
+        retry.call(operation, shown_path(filesystem, target), functools.partial(make, target, exist_ok=True))
 
 
 def upload_with_checksums(
@@ -59,11 +61,13 @@ def upload_with_checksums(
     destination: str,
     retry: StorageRetry,
     threads: int = MAX_THREADS,
+    checksums: bool = True,
+    operation: str = OPERATION,
 ) -> list[FileSum] | None:
     """Copy the files of ``local_dir`` into ``destination`` on ``filesystem`` (merging with what
-    is there; each file's copy retried through ``retry``) and return each one's ``(relative
-    path, size, CRC-32)`` as it was read (None with checksums turned off, see
-    ``CHECKSUMS_VARIABLE``).
+    is there; each file's copy retried through ``retry``, counted and logged as ``operation``)
+    and return each one's ``(relative path, size, CRC-32)`` as it was read (None without
+    ``checksums``, or with them turned off by ``CHECKSUMS_VARIABLE``).
 
     Raises:
         StorageFullError: no space left for the files.
@@ -71,14 +75,14 @@ def upload_with_checksums(
         OSError: a copy failed otherwise (the first failure; the other copies are waited for).
     """
     files = files_of(local_dir)
-    _make_folders(local_dir, filesystem, destination, retry)
+    _make_folders(local_dir, filesystem, destination, retry, operation)
     put = shutil.copy2 if is_local(filesystem) else filesystem.put_file
     needed = functools.partial(folder_size, local_dir)
-    checksums = os.environ.get(CHECKSUMS_VARIABLE, "1") != "0"
+    checksums = checksums and os.environ.get(CHECKSUMS_VARIABLE, "1") != "0"
 
     def copy(source: str, relative: str) -> None:
         target = join(destination, relative)
-        retry.call(OPERATION, shown_path(filesystem, target), functools.partial(put, source, target), needed)
+        retry.call(operation, shown_path(filesystem, target), functools.partial(put, source, target), needed)
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, 2 * len(files)))) as pool:
         copies = [pool.submit(copy, source, relative) for source, relative in files]
