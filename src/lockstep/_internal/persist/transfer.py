@@ -75,7 +75,7 @@ def upload_with_checksums(
         OSError: a copy failed otherwise (the first failure; the other copies are waited for).
     """
     files = files_of(local_dir)
-    _make_folders(local_dir, filesystem, destination, retry, operation)
+    _make_folders(local_dir, filesystem, destination, retry=retry, operation=operation)
     put = shutil.copy2 if is_local(filesystem) else filesystem.put_file
     needed = functools.partial(folder_size, local_dir)
     checksums = checksums and os.environ.get(CHECKSUMS_VARIABLE, "1") != "0"
