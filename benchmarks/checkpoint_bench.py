@@ -22,7 +22,7 @@ time: ``shutil.copyfile`` into a folder on the same disk (local), or
 bytes / median time, in MB/s (1 MB = 10**6 bytes). Goals: ASYNC blocked / SYNC blocked <= 0.10,
 SYNC throughput / plain throughput >= 0.80.
 
-The manifest's cost (issue #24, point 3: every checkpoint carries each file's size and CRC-32,
+The manifest's cost (issue #24, point 3: every checkpoint carries each file's size and checksum,
 computed while the files are copied): a third mode, ``SYNC without checksums``, runs SYNC with
 ``LOCKSTEP_CHECKPOINT_CHECKSUMS=0`` in the workers (no checksums, no manifest). The cost is
 (SYNC blocked median - SYNC-without-checksums blocked median) / SYNC-without-checksums blocked

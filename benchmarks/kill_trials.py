@@ -15,7 +15,7 @@ over the run's steps, counted from the moment its rank processes exist), when ch
 being written, uploaded, committed and deleted. Then it checks:
 
 * **whole**: every checkpoint the run record counts verifies by its manifest (each file's size
-  and CRC-32), and the record names no folder that is gone;
+  and checksum), and the record names no folder that is gone;
 * **history**: the report history's indices are 0, 1, 2, ... with no gap and no repeat; no report
   recorded before the trial went missing; every counted checkpoint's report is in the history
   and names it;

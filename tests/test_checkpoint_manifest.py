@@ -1,4 +1,4 @@
-"""Every committed checkpoint is verifiable: its manifest (each file's size and CRC-32, written at
+"""Every committed checkpoint is verifiable: its manifest (each file's size and XXH3-64, written at
 the commit) is checked wherever a checkpoint is loaded, and `lockstep verify` checks a whole run.
 Real runs on local disk and on the S3 test server; the damage is done to the real files."""
 
@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import xxhash
 
 import lockstep
 from lockstep import Checkpoint, CheckpointCorruptedError, Result, RunConfig, ScalingConfig, TrainingFailedError
@@ -59,8 +60,9 @@ def test_local_checkpoints_are_verified_and_damage_is_named(
     run = Path(storage_path, "local")
     manifest = json.loads((run / MANIFEST_DIR / "checkpoint_000002.json").read_text())
     assert sorted(manifest["files"]) == ["step.txt", "sub/rank0.bin", "sub/rank1.bin"]
-    assert manifest["files"]["sub/rank1.bin"] == [
-        {"size": 3000, "crc32": manifest["files"]["sub/rank1.bin"][0]["crc32"], "ranks": [1]}]
+    rank1 = (run / "checkpoint_000002" / "sub" / "rank1.bin").read_bytes()
+    assert manifest["algorithm"] == "xxh3_64"
+    assert manifest["files"]["sub/rank1.bin"] == [{"size": 3000, "xxh3_64": xxhash.xxh3_64_intdigest(rank1), "ranks": [1]}]
     # both ranks wrote step.txt with the same bytes: one version, written by both
     assert [version["ranks"] for version in manifest["files"]["step.txt"]] == [[0, 1]]
     assert sorted(os.listdir(result.checkpoint.path)) == ["step.txt", "sub"], "the manifest is not in the folder"
@@ -142,10 +144,11 @@ def test_checkpoint_without_manifest_loads_with_one_warning(
 
 def test_files_written_differently_by_two_ranks_match_either_version() -> None:
     files = merged({1: [("model.pt", 10, 7), ("b", 1, 1)], 0: [("model.pt", 10, 9)], 2: [("model.pt", 10, 7)]})
-    assert files["model.pt"] == [{"size": 10, "crc32": 9, "ranks": [0]}, {"size": 10, "crc32": 7, "ranks": [1, 2]}]
+    assert files["model.pt"] == [{"size": 10, "xxh3_64": 9, "ranks": [0]}, {"size": 10, "xxh3_64": 7, "ranks": [1, 2]}]
     assert problem_of("model.pt", files["model.pt"], (10, 7)) is None
     assert problem_of("model.pt", files["model.pt"], (10, 8)) == (
-        "model.pt: checksum differs (crc32 00000008, 00000009 when committed) (written by rank 0, 1, 2)")
+        "model.pt: checksum differs (xxh3_64 0000000000000008, 0000000000000009 when committed) "
+        "(written by rank 0, 1, 2)")
     assert problem_of("b", files["b"], None) == "b: missing (written by rank 1)"
 
 
@@ -158,15 +161,43 @@ def test_a_report_listing_checkpoint_files_travels_as_json() -> None:
     assert codec.decode(encoded) == report
 
 
-def test_a_file_checksummed_on_several_threads_has_zlibs_crc(tmp_path: Path) -> None:
+def test_checksums_of_files_and_streams_are_the_libraries_own(tmp_path: Path) -> None:
+    import io
     import zlib
 
-    from lockstep._internal.persist.crc import BLOCK, crc32_of_file
+    from lockstep._internal.persist.checksums import PIECE, checksum_of_file, checksum_of_stream
 
-    for size in (0, 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12_345):
+    for size in (0, 1, PIECE, PIECE + 1, 3 * PIECE + 12_345):
         data = os.urandom(size)
         Path(tmp_path, "f").write_bytes(data)
-        assert crc32_of_file(str(tmp_path / "f"), threads=3) == (size, zlib.crc32(data)), size
+        assert checksum_of_file(str(tmp_path / "f")) == (size, xxhash.xxh3_64_intdigest(data)), size
+        assert checksum_of_file(str(tmp_path / "f"), "crc32") == (size, zlib.crc32(data)), size
+        assert checksum_of_stream(io.BytesIO(data)) == (size, xxhash.xxh3_64_intdigest(data)), size
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md4'"):
+        checksum_of_file(str(tmp_path / "f"), "md4")
+
+
+def test_a_manifest_written_with_crc32_is_still_checked(
+    storage_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Manifests written before XXH3 (``"algorithm": "crc32"``) keep verifying, and damage shows."""
+    import zlib
+
+    result = fit(storage_path, "older", steps=1)
+    run = Path(storage_path, "older")
+    manifest_file = run / MANIFEST_DIR / "checkpoint_000000.json"
+    manifest = json.loads(manifest_file.read_text())
+    for path, versions in manifest["files"].items():
+        data = Path(result.checkpoint.path, *path.split("/")).read_bytes()
+        versions[:] = [{"size": v["size"], "crc32": zlib.crc32(data), "ranks": v["ranks"]} for v in versions]
+    manifest["algorithm"] = "crc32"
+    manifest_file.write_text(json.dumps(manifest))
+    assert verify(str(run), capsys)[0] == 0
+    data = bytearray(Path(result.checkpoint.path, "sub", "rank0.bin").read_bytes())
+    data[7] ^= 1
+    Path(result.checkpoint.path, "sub", "rank0.bin").write_bytes(bytes(data))
+    code, lines = verify(str(run), capsys)
+    assert code == 1 and "sub/rank0.bin: checksum differs (crc32 " in "\n".join(lines)
 
 
 def test_the_history_is_in_the_store_before_a_record_names_a_checkpoint(s3_env: dict[str, str]) -> None:

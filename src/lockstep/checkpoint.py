@@ -76,7 +76,7 @@ class Checkpoint:
         """Copy the checkpoint's files into a local folder and return that folder.
 
         The copy is checked against the manifest the run wrote when it committed the checkpoint
-        (every file's size and CRC-32); a checkpoint without one (written by an older lockstep,
+        (every file's size and checksum); a checkpoint without one (written by an older lockstep,
         or registered with NO_UPLOAD) is copied as it is, with a warning.
 
         Args:

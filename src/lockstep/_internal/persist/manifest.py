@@ -1,4 +1,4 @@
-"""The manifest of a committed checkpoint: every file's relative path, size and CRC-32, so that
+"""The manifest of a committed checkpoint: every file's relative path, size and checksum, so that
 a truncated upload, a lost file or flipped bytes are found when the checkpoint is loaded, not
 when ``torch.load`` fails.
 
@@ -13,8 +13,11 @@ The manifest lives beside the checkpoint folder, not in it, so that listing a ch
 the user's files only: ``<run>/.lockstep_manifests/checkpoint_000003.json`` for
 ``<run>/checkpoint_000003``::
 
-    {"format": 1, "algorithm": "crc32",
-     "files": {"model.pt": [{"size": 46830571, "crc32": 2361140733, "ranks": [0]}], ...}}
+    {"format": 1, "algorithm": "xxh3_64",
+     "files": {"model.pt": [{"size": 46830571, "xxh3_64": 11620883403364733271, "ranks": [0]}], ...}}
+
+The checksum is the one named by ``"algorithm"`` (checksums.py), under that name in each version;
+manifests written before XXH3 was used say ``"crc32"`` and are checked with it.
 
 ``.metadata.json`` (``Checkpoint.set_metadata``, which may change after the commit) is not
 listed; files added to the folder later are not checked.
@@ -32,7 +35,7 @@ from typing import Any
 
 import fsspec
 
-from lockstep._internal.persist.crc import crc32_of_file, crc32_of_stream
+from lockstep._internal.persist.checksums import ALGORITHM, ALGORITHMS, checksum_of_file, checksum_of_stream, shown
 from lockstep._internal.persist.filesystems import is_local, is_object_store, join
 from lockstep.errors import CheckpointCorruptedError
 
@@ -45,7 +48,7 @@ METADATA_FILE = ".metadata.json"
 UNLISTED = frozenset({METADATA_FILE})
 FORMAT = 1
 
-#: One file a rank wrote: (relative path with '/', size in bytes, CRC-32).
+#: One file a rank wrote: (relative path with '/', size in bytes, checksum by checksums.ALGORITHM).
 FileSum = tuple[str, int, int]
 
 
@@ -62,11 +65,11 @@ def merged(files_by_rank: Mapping[int, Iterable[Any]]) -> dict[str, list[dict[st
     """Every rank's file list as the manifest's ``files``: per path, each distinct version."""
     files: dict[str, list[dict[str, Any]]] = {}
     for rank in sorted(files_by_rank):
-        for path, size, crc in files_by_rank[rank]:
+        for path, size, checksum in files_by_rank[rank]:
             versions = files.setdefault(path, [])
-            same = next((v for v in versions if v["size"] == size and v["crc32"] == crc), None)
+            same = next((v for v in versions if v["size"] == size and v[ALGORITHM] == checksum), None)
             if same is None:
-                versions.append({"size": size, "crc32": crc, "ranks": [rank]})
+                versions.append({"size": size, ALGORITHM: checksum, "ranks": [rank]})
             else:
                 same["ranks"].append(rank)
     return dict(sorted(files.items()))
@@ -76,7 +79,7 @@ def write_manifest(
     filesystem: fsspec.AbstractFileSystem, folder: str, files_by_rank: Mapping[int, Iterable[Any]]
 ) -> None:
     """Write the manifest of the checkpoint in ``folder`` (one small file, one PUT)."""
-    document = {"format": FORMAT, "algorithm": "crc32", "files": merged(files_by_rank)}
+    document = {"format": FORMAT, "algorithm": ALGORITHM, "files": merged(files_by_rank)}
     data = json.dumps(document, separators=(",", ":")).encode()
     target = manifest_path(folder)
     if is_local(filesystem):
@@ -112,6 +115,9 @@ def read_manifest(filesystem: fsspec.AbstractFileSystem, folder: str) -> dict[st
         document = json.loads(data)
         if not isinstance(document.get("files"), dict):
             raise ValueError("no 'files' table")
+        document.setdefault("algorithm", "crc32")
+        if document["algorithm"] not in ALGORITHMS:
+            raise ValueError(f"unknown checksum algorithm {document['algorithm']!r}")
     except ValueError as error:
         raise CheckpointCorruptedError(folder, [f"its manifest {target} is unreadable ({error})"]) from error
     return document
@@ -120,23 +126,27 @@ def read_manifest(filesystem: fsspec.AbstractFileSystem, folder: str) -> dict[st
 # -- checking ------------------------------------------------------------------------------------
 
 
-def problem_of(path: str, versions: list[dict[str, Any]], found: tuple[int, int] | None) -> str | None:
-    """What is wrong with one file, given its ``(size, CRC-32)`` (None: missing); None if whole."""
+def problem_of(
+    path: str, versions: list[dict[str, Any]], found: tuple[int, int] | None, algorithm: str = ALGORITHM
+) -> str | None:
+    """What is wrong with one file, given its ``(size, checksum)`` (None: missing); None if whole."""
     writers = sorted({rank for version in versions for rank in version.get("ranks", [])})
     by = f" (written by rank {', '.join(map(str, writers))})" if writers else ""
     if found is None:
         return f"{path}: missing{by}"
-    size, crc = found
+    size, checksum = found
     if not any(version["size"] == size for version in versions):
         expected = " or ".join(str(version["size"]) for version in versions)
         return f"{path}: {size} bytes, {expected} when committed{by}"
-    if not any(version["size"] == size and version["crc32"] == crc for version in versions):
-        return f"{path}: checksum differs (crc32 {crc:08x}, {versions[0]['crc32']:08x} when committed){by}"
+    if not any(version["size"] == size and version[algorithm] == checksum for version in versions):
+        committed = shown(versions[0][algorithm], algorithm)
+        return f"{path}: checksum differs ({algorithm} {shown(checksum, algorithm)}, {committed} when committed){by}"
     return None
 
 
 def verify_local(folder: str, manifest: dict[str, Any], threads: int = 4) -> list[str]:
     """The damaged files of a local checkpoint folder (empty when every listed file is whole)."""
+    algorithm = manifest["algorithm"]
 
     def check(item: tuple[str, list[dict[str, Any]]]) -> str | None:
         path, versions = item
@@ -144,10 +154,10 @@ def verify_local(folder: str, manifest: dict[str, Any], threads: int = 4) -> lis
         try:
             size = os.path.getsize(local)
         except OSError:
-            return problem_of(path, versions, None)
+            return problem_of(path, versions, None, algorithm)
         if not any(version["size"] == size for version in versions):
-            return problem_of(path, versions, (size, 0))
-        return problem_of(path, versions, crc32_of_file(local))
+            return problem_of(path, versions, (size, 0), algorithm)
+        return problem_of(path, versions, checksum_of_file(local, algorithm), algorithm)
 
     items = list(manifest["files"].items())
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items)))) as pool:
@@ -170,8 +180,8 @@ def verify_remote(filesystem: fsspec.AbstractFileSystem, folder: str, manifest: 
             found = (size, 0)
         else:
             with filesystem.open(join(folder, path), "rb", block_size=8 << 20) as handle:
-                found = crc32_of_stream(handle)
-        problem = problem_of(path, versions, found)
+                found = checksum_of_stream(handle, manifest["algorithm"])
+        problem = problem_of(path, versions, found, manifest["algorithm"])
         if problem is not None:
             problems.append(problem)
     return problems

@@ -7,7 +7,7 @@ Run folder layout (``<storage_path>/<name>/``)::
                              first) and which of them are the best, error
     reports.jsonl            one JSON line per report(): report_index, timestamp, metrics, checkpoint
     checkpoint_000003/       checkpoints (every rank's files merged into one folder)
-    .lockstep_manifests/     checkpoint_000003.json: each file's size and CRC-32 (manifest.py)
+    .lockstep_manifests/     checkpoint_000003.json: each file's size and checksum (manifest.py)
 
 Workers write checkpoint files straight into their folder. A checkpoint counts only once the
 run record names it: the driver rewrites the record (a temporary file renamed over the old one
@@ -184,7 +184,7 @@ class RunStorage:
 
     def write_checkpoint(self, local_dir: str, dir_name: str) -> list[FileSum] | None:
         """Copy one rank's checkpoint files into the folder of ``dir_name`` (each file retried
-        through the run's retry); return each file's relative path, size and CRC-32 (for the
+        through the run's retry); return each file's relative path, size and checksum (for the
         manifest the commit writes)."""
         return upload_with_checksums(local_dir, self.filesystem, self.checkpoint_path(dir_name), self.retry)
 

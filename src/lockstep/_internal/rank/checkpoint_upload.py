@@ -49,7 +49,7 @@ def upload(
 ) -> tuple[str | None, list[FileSum] | None]:
     """Put this rank's files of ``checkpoint`` in storage; return where the checkpoint is when
     ``job.upload_fn`` put it somewhere other than its folder in the run (else ``None``), and
-    the path, size and CRC-32 of each file lockstep copied (``None`` when ``job.upload_fn`` did).
+    the path, size and checksum of each file lockstep copied (``None`` when ``job.upload_fn`` did).
     ``given_goes``: ``checkpoint``'s folder is deleted after the upload (ASYNC's staged copy).
 
     Raises:
@@ -78,7 +78,7 @@ def upload(
 
 def write_checkpoint(context: TrainContext, local_dir: str, dir_name: str) -> list[FileSum] | None:
     """Copy this rank's files into the checkpoint folder, naming the checkpoint on failure (a
-    full or unreachable storage keeps its error class); each file's size and CRC-32."""
+    full or unreachable storage keeps its error class); each file's size and checksum."""
     try:
         return context.storage.write_checkpoint(local_dir, dir_name)
     except (StorageFullError, StorageUnreachableError) as error:

@@ -171,7 +171,7 @@ class WorkerSession:
         self, checkpoint: Checkpoint, job: Upload, index: int, upload_mode: CheckpointUploadMode
     ) -> tuple[str, str | None, list[FileSum] | None]:
         """Put this rank's checkpoint files where they belong; return (state, external path,
-        each file's path, size and CRC-32 when lockstep copied them into the run folder).
+        each file's path, size and checksum when lockstep copied them into the run folder).
         However long that takes, the rank is making progress (not hung).
 
         The local folder goes after a SYNC upload succeeded, and for ASYNC once it is staged

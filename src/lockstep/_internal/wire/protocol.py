@@ -68,7 +68,7 @@ class Report:
     rank's time since its previous report went (see :mod:`lockstep._internal.rank.step_timing`).
     ``validation``: what ``report(validation=...)`` asked for with this rank's checkpoint
     (True: the defaults; a dict: a ValidationTaskConfig's ``fn_kwargs`` and ``timeout_s``).
-    ``files``: with ``"written"``, each file's ``[relative path, size, CRC-32]`` for the
+    ``files``: with ``"written"``, each file's ``[relative path, size, checksum]`` for the
     checkpoint's manifest (:mod:`lockstep._internal.persist.manifest`).
     """
 
