@@ -43,6 +43,7 @@ KINDS = {
     "scale": "scale_bench.py",
     "scale-small": "scale_bench.py --ranks 64 256",
     "many": "many_ranks_bench.py",
+    "ray-many": "ray_many_bench.py",
 }
 
 

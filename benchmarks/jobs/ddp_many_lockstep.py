@@ -1,30 +1,41 @@
-"""Many ranks on one machine, lockstep: a DDP step on a small model and a ``report()`` per step.
+"""Many ranks, lockstep: a DDP step on a small model and a ``report()`` per step.
 
     python benchmarks/jobs/ddp_many_lockstep.py --num-workers 32 [--steps 20]
+    python benchmarks/jobs/ddp_many_lockstep.py --num-workers 16 --lockstep-on-ray --spread
+    python benchmarks/jobs/ddp_many_lockstep.py --num-workers 16 --ray --spread      # Ray Train
 
 Each rank trains a 2-layer MLP (256-256-10) wrapped by ``prepare_model`` on random batches of 32
 and calls ``report()`` after every step (metrics-only); rank 0 times each ``report()`` call and
-the driver prints them as one line ``BENCH_JSON {"report_s": [...]}``. The hand-written twin is
-``ddp_many_torchrun.py``, with ``dist.barrier()`` where this calls ``report()``
-(benchmarks/many_ranks_bench.py runs both).
+writes them to a file; the script prints one line ``BENCH_JSON {"report_s": [...], "fit_s": ...}``
+(``fit_s``: the time ``fit()`` took). The hand-written twin is ``ddp_many_torchrun.py``, with
+``dist.barrier()`` where this calls ``report()`` (benchmarks/many_ranks_bench.py runs both). With
+``--ray`` the same script runs on Ray Train 2.60 (only the imports change), with
+``--lockstep-on-ray`` on lockstep's Ray executor; both join the cluster named by ``RAY_ADDRESS``
+(benchmarks/ray_many_bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import lockstep
-from lockstep import RunConfig, ScalingConfig
-from lockstep.torch import TorchTrainer, prepare_model
+if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
+    from ray.train import RunConfig, ScalingConfig, get_context, report
+    from ray.train.torch import TorchTrainer, prepare_model
+else:
+    from lockstep import RunConfig, ScalingConfig, get_context, report
+    from lockstep.torch import TorchTrainer, prepare_model
 
 
-def train_func(config: dict[str, Any]) -> list[float]:
-    """``steps`` DDP steps, each followed by a timed report(); rank 0's report times."""
+def train_func(config: dict[str, Any]) -> None:
+    """``steps`` DDP steps, each followed by a timed report(); rank 0 writes its report times."""
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -36,9 +47,10 @@ def train_func(config: dict[str, Any]) -> list[float]:
         loss.backward()
         optimizer.step()
         started = time.perf_counter()
-        lockstep.report({"step": step, "loss": loss.item()})
+        report({"step": step, "loss": loss.item()})
         times.append(time.perf_counter() - started)
-    return times
+    if get_context().get_world_rank() == 0:
+        Path(config["times_file"]).write_text(json.dumps(times))
 
 
 def main() -> None:
@@ -46,15 +58,28 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--storage-path", default="/tmp/bench_many_runs")
+    parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
+    parser.add_argument("--lockstep-on-ray", action="store_true", help="lockstep with its Ray executor")
+    parser.add_argument("--spread", action="store_true", help="placement_strategy='SPREAD' (Ray)")
     args = parser.parse_args()
-    trainer = TorchTrainer(
-        train_func,
-        train_loop_config={"steps": args.steps},
-        scaling_config=ScalingConfig(num_workers=args.num_workers),
-        run_config=RunConfig(storage_path=args.storage_path),
-    )
-    result = trainer.fit()
-    print("BENCH_JSON " + json.dumps({"report_s": result.return_value}), flush=True)
+    if args.ray or args.lockstep_on_ray:
+        from on_ray import connect_ray
+
+        connect_ray(args.num_workers)
+    with tempfile.TemporaryDirectory() as folder:
+        times_file = Path(folder, "report_s.json")
+        trainer = TorchTrainer(
+            train_func,
+            train_loop_config={"steps": args.steps, "times_file": str(times_file)},
+            scaling_config=ScalingConfig(
+                num_workers=args.num_workers, use_gpu=False, placement_strategy="SPREAD" if args.spread else "PACK"
+            ),
+            run_config=RunConfig(storage_path=args.storage_path),
+        )
+        started = time.perf_counter()
+        trainer.fit()
+        fit_s = time.perf_counter() - started
+        print("BENCH_JSON " + json.dumps({"report_s": json.loads(times_file.read_text()), "fit_s": fit_s}), flush=True)
 
 
 if __name__ == "__main__":
