@@ -204,7 +204,7 @@ def test_metrics_are_checked_and_converted() -> None:
     import numpy
     import torch
 
-    from lockstep._internal.rank.worker_session import encode_metrics
+    from lockstep._internal.rank.metrics_json import encode_metrics
 
     assert json.loads(encode_metrics({"loss": torch.tensor(0.5), "acc": numpy.float32(0.25), "nested": {"a": [1]}})) == {
         "loss": 0.5, "acc": 0.25, "nested": {"a": [1]}}

@@ -175,3 +175,39 @@ def test_run_record_naming_a_missing_checkpoint_fails_before_start(storage_path:
     shutil.rmtree(result.checkpoint.path)
     with pytest.raises(ValueError, match="checkpoint_000000 is missing. Restore that folder, or start a new run"):
         TorchTrainer(checkpoint_every_step, train_loop_config={"steps": 1}, run_config=run_config).fit()
+
+
+def test_staging_copies_of_ranks_that_died_are_swept_when_a_rank_stages_there(tmp_path: Path) -> None:
+    """An ASYNC upload's private copy outlives a SIGKILLed rank; the next rank that stages into
+    the same folder removes it (this host's dead processes only, never a live one's or another
+    host's)."""
+    import socket
+    import subprocess
+    import sys
+
+    from lockstep._internal.rank import upload_staging
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = socket.gethostname()
+        left = {name: tmp_path / f".lockstep_upload_{name}" for name in
+                (f"{host}_{dead.pid}_x1", f"{host}_{alive.pid}_x2", f"otherhost_{dead.pid}_x3")}
+        for folder in left.values():
+            (folder / "sub").mkdir(parents=True)
+            (folder / "sub" / "model.pt").write_bytes(b"weights")
+        mine = tmp_path / "checkpoint"
+        mine.mkdir()
+        (mine / "model.pt").write_bytes(b"new weights")
+        upload_staging._swept.discard(str(tmp_path))
+
+        staged = Path(upload_staging.private_copy(str(mine)))
+
+        assert staged.parent == tmp_path and staged.name.startswith(f".lockstep_upload_{host}_{os.getpid()}_")
+        assert (staged / "model.pt").read_bytes() == b"new weights"
+        assert not left[f"{host}_{dead.pid}_x1"].exists(), "a dead rank's copy stayed"
+        assert left[f"{host}_{alive.pid}_x2"].exists() and left[f"otherhost_{dead.pid}_x3"].exists()
+    finally:
+        alive.kill()
+        alive.wait()

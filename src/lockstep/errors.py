@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lockstep._internal.failure_text import FOLDED_FROM, by_text, folded_failures, ranks_phrase
 from lockstep._internal.rank_spans import rank_span
 
 if TYPE_CHECKING:
@@ -169,49 +170,12 @@ class TrainingFailedError(RuntimeError):
         named = [failure.rank for failure in failures]
         which = f"ranks {rank_span(named)}" if len(named) > FOLDED_FROM else f"rank {', '.join(map(str, named))}"
         lines = [f"Training failed on {which}{context}."]
-        lines += _folded_failures(failures)
+        lines += folded_failures(failures)
         lines += [
-            f"{_ranks_phrase(group)} still running, here:\n{stack.rstrip()}"
-            for stack, group in _by_text({rank: stack.rstrip() for rank, stack in (stacks or {}).items()})
+            f"{ranks_phrase(group)} still running, here:\n{stack.rstrip()}"
+            for stack, group in by_text({rank: stack.rstrip() for rank, stack in (stacks or {}).items()})
         ]
         return cls("\n\n".join(lines), {failure.rank: failure for failure in failures})
-
-
-#: More failed ranks than this are named as spans (``ranks 3-63``) in an error's first line.
-FOLDED_FROM = 8
-
-
-def _ranks_phrase(ranks: list[int]) -> str:
-    return f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {rank_span(ranks)} were"
-
-
-def _by_text(texts: Mapping[int, str]) -> list[tuple[str, list[int]]]:
-    """The distinct texts of ``texts`` (rank -> text), each with the ranks that have it, in rank order."""
-    groups: dict[str, list[int]] = {}
-    for rank, text in sorted(texts.items()):
-        groups.setdefault(text, []).append(rank)
-    return list(groups.items())
-
-
-def _folded_failures(failures: list[WorkerFailure]) -> list[str]:
-    """Each failure's paragraph; ranks that failed the same way (the same error, message and
-    traceback, once their own rank number is taken out) share one, so a run of 64 ranks that
-    all lost the same peer reads as one paragraph, not 64."""
-    generic = {failure.rank: _without_rank(failure) for failure in failures}
-    paragraphs = []
-    for _, group in _by_text(generic):
-        first = next(failure for failure in failures if failure.rank == group[0])
-        if len(group) == 1:
-            paragraphs.append(first.describe())
-        else:
-            paragraphs.append(f"ranks {rank_span(group)} (the same for each; rank {group[0]}'s): {first.describe()}")
-    return paragraphs
-
-
-def _without_rank(failure: WorkerFailure) -> str:
-    own = f"rank {failure.rank}"
-    text = f"{failure.error_type}: {failure.message}\n{failure.traceback}"
-    return text.replace(own + " ", "rank # ").replace(own + ":", "rank #:").replace(own + ",", "rank #,")
 
 
 class WorkerGroupError(TrainingFailedError):

@@ -15,7 +15,7 @@ from lockstep._internal.run.worker_group import GroupFactory
 from lockstep._internal.wire.link_watch import LOST_EXIT_CODE, STUCK_GRACE_S
 
 if TYPE_CHECKING:
-    from lockstep._internal.executors.channels import AttachedGroup
+    from lockstep._internal.executors.attached_group import AttachedGroup
     from lockstep._internal.run.controller import Controller
     from lockstep._internal.run.driver import RunDriver
     from lockstep.result import Result

@@ -27,9 +27,9 @@ from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from lockstep._internal.executors.attached_group import AttachedGroup
 from lockstep._internal.executors.base import Executor
 from lockstep._internal.executors.beside import drive_beside_rank_0
-from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.executors.shared_secret import remove_secret, write_secret
 from lockstep._internal.executors.torchrun_store import (
     Launch,

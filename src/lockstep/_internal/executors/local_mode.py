@@ -30,9 +30,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
+from lockstep._internal.executors.attached_group import AttachedGroup
 from lockstep._internal.executors.base import Executor
 from lockstep._internal.executors.beside import drive_beside_rank_0
-from lockstep._internal.executors.channels import AttachedGroup
 from lockstep._internal.rank.rank_env import RankEnv
 from lockstep._internal.run.preemption import Preemption, PreemptionStop, rank_signals
 from lockstep._internal.wire import protocol

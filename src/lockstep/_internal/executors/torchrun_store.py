@@ -19,7 +19,7 @@ from lockstep._internal.wire.channel import ENV_AUTHKEY, rank_credential
 from lockstep.errors import ControllerError, error_class_named
 
 if TYPE_CHECKING:
-    from lockstep._internal.executors.channels import AttachedGroup
+    from lockstep._internal.executors.attached_group import AttachedGroup
     from lockstep._internal.persist.storage import RunStorage
 
 STORE_WAIT = datetime.timedelta(hours=24)

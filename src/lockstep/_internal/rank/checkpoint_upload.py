@@ -11,7 +11,6 @@ import logging
 import os
 import queue
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from lockstep._internal.persist.filesystems import is_local
 from lockstep._internal.persist.manifest import FileSum
 from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
 from lockstep._internal.rank.progress import PROGRESS
+from lockstep._internal.rank.upload_staging import private_copy
 from lockstep._internal.wire import protocol
 from lockstep._internal.wire.channel import WorkerChannel
 from lockstep.checkpoint import Checkpoint
@@ -142,7 +142,7 @@ class CheckpointUploader:
 
     def submit(self, index: int, checkpoint: Checkpoint, job: Upload) -> None:
         """Stage ``checkpoint`` for report ``index``; its upload starts at :meth:`start_staged`."""
-        staged = _private_copy(checkpoint.path) if checkpoint.is_local else checkpoint.to_directory()
+        staged = private_copy(checkpoint.path) if checkpoint.is_local else checkpoint.to_directory()
         self._staged.append((index, job, staged))
 
     def start_staged(self) -> None:
@@ -178,15 +178,3 @@ class CheckpointUploader:
         self.start_staged()
         self._jobs.put(None)
         self._thread.join()
-
-
-def _private_copy(folder: str) -> str:
-    """A copy of ``folder`` that survives its deletion: hard links when possible, else a copy."""
-    parent = os.path.dirname(os.path.abspath(folder))
-    try:
-        staged = tempfile.mkdtemp(prefix=".lockstep_upload_", dir=parent)
-        shutil.copytree(folder, staged, copy_function=os.link, dirs_exist_ok=True)
-    except OSError:
-        staged = tempfile.mkdtemp(prefix="lockstep_upload_")
-        shutil.copytree(folder, staged, dirs_exist_ok=True)
-    return staged

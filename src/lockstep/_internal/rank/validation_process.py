@@ -33,7 +33,7 @@ def run_validation_fn(fn: Any, checkpoint: Any, fn_kwargs: dict[str, Any]) -> di
         ValueError: the function returned something other than a dict.
         TypeError: a metric can't be saved.
     """
-    from lockstep._internal.rank.worker_session import encode_metrics
+    from lockstep._internal.rank.metrics_json import encode_metrics
 
     metrics = fn(checkpoint, **fn_kwargs)
     if not isinstance(metrics, dict):

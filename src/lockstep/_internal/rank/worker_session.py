@@ -21,6 +21,7 @@ from lockstep._internal.rank.checkpoint_upload import (
     delete_local,
     upload,
 )
+from lockstep._internal.rank.metrics_json import encode_metrics
 from lockstep._internal.rank.progress import PROGRESS
 from lockstep._internal.rank.progress_sender import where_i_am
 from lockstep._internal.rank.step_timing import CLOCK
@@ -328,43 +329,3 @@ def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
             f"with '.', not one of {', '.join(sorted(RESERVED_NAMES))})."
         )
     return name
-
-
-def encode_metrics(metrics: Mapping[str, Any]) -> str:
-    """Check the metrics of a report and return them as JSON.
-
-    Tensors and numpy scalars with one element become plain numbers.
-
-    Raises:
-        TypeError: ``metrics`` is not a dict, a key is not a string, or a value can't be saved.
-    """
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"report() takes a dict of metrics, got {type(metrics).__name__}.")
-    plain: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise TypeError(f"report(): metric names must be strings, got the key {key!r} ({type(key).__name__}).")
-        plain[key] = _plain_value(value, key)
-    return json.dumps(plain)
-
-
-def _plain_value(value: Any, key: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _plain_value(v, key) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain_value(item, key) for item in value]
-    if _is_one_element_array(value):
-        return _plain_value(value.item(), key)
-    raise TypeError(
-        f"report(): metric {key!r} is a {type(value).__name__}, which can't be saved; report numbers, "
-        "strings, or lists/dicts of them (use tensor.item() for a scalar tensor)."
-    )
-
-
-def _is_one_element_array(value: Any) -> bool:
-    numel = getattr(value, "numel", None)
-    if callable(numel):
-        return numel() == 1
-    return getattr(value, "size", None) == 1 and hasattr(value, "item")
