@@ -27,7 +27,13 @@ import pytest
 from conftest import REPO_ROOT
 from hosts import Host, HostNetwork, RayCluster, free_port, kill_tree
 
-from lockstep._internal.wire.link_watch import LINK_TIMEOUT_S, STUCK_GRACE_S, StalledSends, send_queue_state
+from lockstep._internal.wire.link_watch import (
+    LINK_TIMEOUT_S,
+    STUCK_GRACE_S,
+    StalledSends,
+    send_queue_state,
+    watch_link,
+)
 
 SCRIPT = str(REPO_ROOT / "tests" / "scripts" / "two_host_fault_job.py")
 README_BOUND_S = LINK_TIMEOUT_S + STUCK_GRACE_S
@@ -64,6 +70,27 @@ def test_the_send_queue_is_read_off_a_real_socket() -> None:
         finally:
             sender.close()
             receiver.close()
+
+
+def test_connections_that_fall_silent_together_probe_at_different_moments() -> None:
+    """At 1,024 ranks the channels fell silent at the same moment and their keepalive probes,
+    sent at once, overflowed the kernel's backlog of received packets: the same connections lost
+    their probes again and again and were given up as lost hosts. Each connection now draws its
+    own probe timing, and each gives up after about LINK_TIMEOUT_S."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        clients = [socket.create_connection(server.getsockname()) for _ in range(64)]
+        try:
+            for client in clients:
+                watch_link(client, sends_little=True)
+            timings = [tuple(client.getsockopt(socket.IPPROTO_TCP, option) for option in
+                             (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)) for client in clients]
+            assert len({idle for idle, _, _ in timings}) >= 4, timings
+            assert all(abs(idle + interval * probes - LINK_TIMEOUT_S) <= 3 for idle, interval, probes in timings)
+            assert all(client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == LINK_TIMEOUT_S * 1000
+                       for client in clients)
+        finally:
+            for client in clients:
+                client.close()
 
 
 @pytest.fixture

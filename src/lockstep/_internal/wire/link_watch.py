@@ -31,6 +31,7 @@ import errno
 import fcntl
 import logging
 import os
+import random
 import select
 import socket
 import struct
@@ -50,18 +51,36 @@ STUCK_GRACE_S = 10.0
 LOST_EXIT_CODE = 75
 """The exit code of a rank process that ended itself because its driver was lost."""
 
-_KEEPALIVE_PROBES = 3
+#: Ranges (seconds, both ends included) of a connection's keepalive idle time and interval.
+_KEEPALIVE_IDLE_S = (2, 8)
+_KEEPALIVE_INTERVAL_S = (2, 4)
 # struct tcp_info (linux/tcp.h): tcpi_last_ack_recv, ms since the last acknowledgement, is the u32 at byte 56
 _TCP_INFO_SIZE = 60
 _LAST_ACK_RECV_AT = 56
 _LOST_ERRNOS = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 
 
+def keepalive_timing(rng: random.Random | None = None) -> tuple[int, int, int]:
+    """``(idle, interval, probes)`` in whole seconds for one connection's keepalive: the first
+    probe after ``idle`` seconds of silence, then one every ``interval``, the connection given up
+    after ``probes`` unanswered ones, about :data:`LINK_TIMEOUT_S` in all.
+
+    Each connection draws its own ``idle`` and ``interval``. Connections that fell silent at the
+    same moment (every rank after the same answer) would otherwise probe at the same moment:
+    at 1,024 ranks on one machine, 2,048 probes at once overflowed the kernel's per-CPU backlog
+    of received packets (``net.core.netdev_max_backlog``, 1,000), the same connections lost
+    their probes again and again, and the driver gave up about 2 % of them as lost hosts."""
+    draw = rng.randint if rng is not None else random.randint
+    idle = draw(*_KEEPALIVE_IDLE_S)
+    interval = draw(*_KEEPALIVE_INTERVAL_S)
+    return idle, interval, max(1, round((LINK_TIMEOUT_S - idle) / interval))
+
+
 def watch_link(sock: socket.socket, sends_little: bool) -> None:
     """Make the kernel give ``sock``'s connection up after :data:`LINK_TIMEOUT_S` without an
-    answer from the other end: keepalive probes while it is idle, and, with ``sends_little``,
-    the user timeout while data waits for an acknowledgement. Options this platform lacks are
-    skipped.
+    answer from the other end: keepalive probes while it is idle (:func:`keepalive_timing`), and,
+    with ``sends_little``, the user timeout while data waits for an acknowledgement. Options this
+    platform lacks are skipped.
 
     The user timeout also ends a connection whose receiver has not read for that long (a
     window closed that long), so only the driver's end has it: the driver sends ranks a few
@@ -69,8 +88,8 @@ def watch_link(sock: socket.socket, sends_little: bool) -> None:
     stops reading for a while (its console piped into a pager, Ctrl-Z), which must only slow
     the rank down."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    probe_every = max(1, int(LINK_TIMEOUT_S / (_KEEPALIVE_PROBES + 1)))
-    options = [("TCP_KEEPIDLE", probe_every), ("TCP_KEEPINTVL", probe_every), ("TCP_KEEPCNT", _KEEPALIVE_PROBES)]
+    idle, interval, probes = keepalive_timing()
+    options = [("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes)]
     if sends_little:
         options.append(("TCP_USER_TIMEOUT", int(LINK_TIMEOUT_S * 1000)))
     for name, value in options:
