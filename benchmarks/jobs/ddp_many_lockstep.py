@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from on_ray import add_ray_flags, join_ray_if_asked
+
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
     from ray.train import RunConfig, ScalingConfig, get_context, report
     from ray.train.torch import TorchTrainer, prepare_model
@@ -58,14 +60,10 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--storage-path", default="/tmp/bench_many_runs")
-    parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
-    parser.add_argument("--lockstep-on-ray", action="store_true", help="lockstep with its Ray executor")
+    add_ray_flags(parser)
     parser.add_argument("--spread", action="store_true", help="placement_strategy='SPREAD' (Ray)")
     args = parser.parse_args()
-    if args.ray or args.lockstep_on_ray:
-        from on_ray import connect_ray
-
-        connect_ray(args.num_workers)
+    join_ray_if_asked(args)
     with tempfile.TemporaryDirectory() as folder:
         times_file = Path(folder, "report_s.json")
         trainer = TorchTrainer(

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from on_ray import add_ray_flags, join_ray_if_asked
+
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
     from ray.train import RunConfig, ScalingConfig, get_context, report
     from ray.train.torch import TorchTrainer, prepare_data_loader, prepare_model
@@ -66,8 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training images")
     parser.add_argument("--storage-path", default="/tmp/bench_jobs_runs", help="where runs are kept")
-    parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
-    parser.add_argument("--lockstep-on-ray", action="store_true", help="lockstep with its Ray executor")
+    add_ray_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -80,10 +81,7 @@ def main() -> None:
         import mlp_common
 
         cloudpickle.register_pickle_by_value(mlp_common)  # Ray workers don't get this folder on their path
-    if args.ray or args.lockstep_on_ray:
-        from on_ray import connect_ray
-
-        connect_ray(args.num_workers)
+    join_ray_if_asked(args)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"lr": 1e-3, "batch_size": 64, "epochs": args.epochs,

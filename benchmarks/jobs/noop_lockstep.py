@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from on_ray import add_ray_flags, join_ray_if_asked
+
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
     from ray.train import RunConfig, ScalingConfig, get_context, report
     from ray.train.torch import TorchTrainer
@@ -50,13 +52,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=0, help="timed report() calls (0: one untimed call)")
     parser.add_argument("--warmup", type=int, default=50, help="untimed report() calls before the timed ones")
     parser.add_argument("--storage-path", default="/tmp/bench_jobs_runs", help="where runs are kept")
-    parser.add_argument("--ray", action="store_true", help="run on Ray Train instead of lockstep")
-    parser.add_argument("--lockstep-on-ray", action="store_true", help="lockstep with its Ray executor")
+    add_ray_flags(parser)
     args = parser.parse_args()
-    if args.ray or args.lockstep_on_ray:
-        from on_ray import connect_ray
-
-        connect_ray(args.num_workers)
+    join_ray_if_asked(args)
     with tempfile.TemporaryDirectory() as folder:
         times_file = Path(folder, "report_s.json")
         trainer = TorchTrainer(
