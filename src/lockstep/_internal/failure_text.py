@@ -28,7 +28,7 @@ FOLDED_FROM = 8
 
 
 def ranks_phrase(ranks: list[int]) -> str:
-    """ "rank 3 was" or "ranks 0-2 were"."""
+    """How a message names ``ranks``: "rank 3 was" or "ranks 0-2 were"."""
     return f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {rank_span(ranks)} were"
 
 
