@@ -157,6 +157,8 @@ def job_command(variant: Variant, job: str, job_args: list[str], storage: Path) 
         return command, env
     command = [sys.executable, str(JOBS / f"{job}_lockstep.py"), f"--num-workers={variant.workers}",
                f"--storage-path={storage}", *job_args]
+    if variant.framework == "lockstep_run":  # the launcher: `lockstep run job.py ...` (the console script)
+        command[:1] = [str(Path(sys.executable).with_name("lockstep")), "run"]
     if variant.framework == "ray":
         command.append("--ray")
         env.pop("RAY_ADDRESS", None)  # Ray Train starts its own cluster, as a new user's script would

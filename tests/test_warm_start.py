@@ -224,7 +224,9 @@ def test_nothing_warm_under_torchrun_in_the_cli_or_a_multiprocessing_child(tmp_p
 
     torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
     assert check("import lockstep.torch", **torchrun) == {"warm": None, "torch": True}
-    cli = "import lockstep, lockstep.cli; lockstep.cli.main(['runs', {!r}])".format(storage_path)
+    console = str(Path(sys.executable).with_name("lockstep"))  # what the console command's argv[0] is
+    cli = "sys.argv = [{!r}, 'runs', {!r}]; import lockstep, lockstep.cli; lockstep.cli.main(sys.argv[1:])".format(
+        console, storage_path)
     assert check(cli) == {"warm": None, "torch": False}, "the CLI imported lockstep.torch"
     spawned = ("import multiprocessing as mp\n"
                "def child(queue):\n"
@@ -236,7 +238,7 @@ def test_nothing_warm_under_torchrun_in_the_cli_or_a_multiprocessing_child(tmp_p
                "    process = context.Process(target=child, args=(queue,)); process.start()\n"
                "    assert queue.get(timeout=50) is None, 'a multiprocessing child started a warm process'\n"
                "    process.join()")
-    assert check(spawned)["warm"] is None
+    check(spawned)  # the child's answer is checked in the script (the parent, a script, has its own)
 
 
 @pytest.mark.timeout(120)

@@ -22,17 +22,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # torchvision, as seed 003
 from on_ray import add_ray_flags, join_ray_if_asked
 
+# As users write scripts: torch and torchvision (above) before lockstep or Ray Train.
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
     from ray.train import RunConfig, ScalingConfig, get_context, report
     from ray.train.torch import TorchTrainer, prepare_data_loader, prepare_model
 else:
     from lockstep import RunConfig, ScalingConfig, get_context, report
     from lockstep.torch import TorchTrainer, prepare_data_loader, prepare_model
-
-
-from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # noqa: E402
 
 
 # -- lockstep / Ray Train ----------------------------------------------------------------------

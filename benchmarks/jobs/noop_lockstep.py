@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch  # noqa: F401 - as users write scripts: torch before lockstep or Ray Train
 from on_ray import add_ray_flags, join_ray_if_asked
 
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change

@@ -12,6 +12,14 @@ import torch or the framework they integrate). Which of Ray Train's names lockst
 listed in ``lockstep._internal.ray_compat.ray_names``.
 """
 
+# ruff: noqa: E402 - the imports below come after the warm start, on purpose
+
+# In a script (python train.py), start the warm worker process now, beside the script's imports
+# (lockstep._internal.early_warm; LOCKSTEP_WARM_START=0 turns it off).
+from lockstep._internal.early_warm import start_for_script as _start_for_script
+
+_start_for_script()
+
 from lockstep import config, session
 from lockstep.backend import BackendConfig
 from lockstep.checkpoint import Checkpoint

@@ -5,6 +5,7 @@ lockstep show RUN                            # a run folder, or a run name in --
 lockstep plot RUN [RUN ...] [--metric M ...] -o curves.png   # several runs: overlaid
 lockstep dashboard --storage PATH [--port N]  # a web dashboard (see lockstep.dashboard)
 lockstep verify RUN                          # check every kept checkpoint against its manifest
+lockstep run SCRIPT [ARGS ...]               # python SCRIPT ARGS..., its workers warming from the start
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lockstep._internal.launch import run_script
 from lockstep._internal.output.metrics_text import metrics_text
 from lockstep._internal.persist.filesystems import join, resolve_filesystem
 from lockstep._internal.persist.outages import outages_line
@@ -238,6 +240,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     verify.add_argument("run", help="the run folder (path or URI), or a run name in --storage")
     verify.add_argument("--storage", default=DEFAULT_STORAGE_PATH, help="where to look a run name up")
+    run = commands.add_parser(
+        "run", help="run a training script as python would, its warm workers importing torch from the start"
+    )
+    run.add_argument("script", help="the Python file to run")
+    run.add_argument("arguments", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser.parse_args(argv)
 
 
@@ -309,6 +316,12 @@ def run_dashboard(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lockstep`` console script; returns the exit status."""
     args = parse_args(argv)
+    if args.command == "run":  # the script's exceptions and exit status are its own
+        try:
+            return run_script(args.script, args.arguments)
+        except FileNotFoundError as error:
+            print(f"lockstep run: {error}", file=sys.stderr)
+            return 2
     try:
         if args.command == "runs":
             found = find_runs(args.storage)

@@ -1,9 +1,12 @@
 """Which modules the warm process imports before it forks a ``fit()``'s workers (see
 :mod:`lockstep._internal.warm.warm_start`): the installed packages the job needs, never the user's
-own modules."""
+own modules. Two lists: a guess made when the warm process starts, from the import statements of
+the user's script (:func:`guessed_modules`), and at ``fit()`` the modules the job's pickle names
+(:func:`preload_modules`)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import struct
@@ -18,6 +21,8 @@ NEVER_PRELOADED = frozenset({"ray", "pytest", "_pytest", "IPython", "ipykernel",
 #: DistributedDataParallel's constructor imports torch._dynamo (about 900 modules, 1.6 s of CPU
 #: per process on a 2-core machine: 25 s of a 32-rank job's start when each rank does it).
 FOR_PREPARED_MODELS = ("torch._dynamo",)
+#: How many of the script's own modules (files beside it) are read for their imports, at most.
+SCANNED_LOCAL_MODULES = 20
 
 
 def preload_modules(payload: bytes) -> list[str]:
@@ -72,3 +77,55 @@ def _pickle_of(payload: bytes) -> memoryview:
     length, tensors = struct.unpack_from("<QQ", payload, len(MAGIC))
     start = len(MAGIC) + 16 + 16 * tensors
     return view[start : start + length]
+
+
+def guessed_modules(script: str) -> list[str]:
+    """The modules the script at ``script`` (and its own modules beside it, which it imports)
+    import (top-level statements first): a guess of what its workers will need, imported by the warm
+    process while the script runs its own imports. Names outside this Python's installation are
+    dropped by the warm process; standard-library, lockstep's and never-preloaded ones here."""
+    folder = os.path.dirname(os.path.abspath(script))
+    found: list[str] = []
+    queue, seen = [os.path.abspath(script)], set[str]()
+    while queue and len(seen) < SCANNED_LOCAL_MODULES:
+        path = queue.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            with open(path, "rb") as source:
+                text = source.read()
+            tree = ast.parse(text, filename=path)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for name in _imported_names(tree):
+            local = os.path.join(folder, name.partition(".")[0] + ".py")
+            if os.path.isfile(local):
+                queue.append(local)
+            elif _may_preload(name):
+                found.append(name)
+        if b"prepare_model" in text:
+            found += FOR_PREPARED_MODELS
+    return list(dict.fromkeys(found))
+
+
+def _imported_names(tree: ast.AST) -> list[str]:
+    """The absolute module names a module's import statements name (anywhere in it)."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def _may_preload(name: str) -> bool:
+    top = name.partition(".")[0]
+    return not (
+        top in sys.stdlib_module_names
+        or top in NEVER_PRELOADED
+        or top == "lockstep"
+        or top == "__future__"
+        or any(part.startswith("_") for part in name.split("."))
+    )

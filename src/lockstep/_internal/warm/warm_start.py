@@ -1,10 +1,13 @@
 """Workers warm before ``fit()``: the driver's side of the warm process.
 
-Importing :mod:`lockstep.torch` in a driver starts a fresh interpreter in the background (see
-:mod:`lockstep._internal.warm.zygote`) that imports torch and lockstep's worker runtime while the
-driver goes on with its own imports. At ``fit()`` the local executor asks it to import the
-installed packages the job names, then to fork one child per rank; the warm process stays for
-the next ``fit()``. Set ``LOCKSTEP_WARM_START=0`` to start every worker afresh instead.
+A driver starts a fresh interpreter in the background (see :mod:`lockstep._internal.warm.zygote`)
+that imports torch, lockstep's worker runtime and the installed packages the script imports,
+while the driver goes on with its own imports: when ``import lockstep`` first runs in a script
+(``python train.py``; :mod:`lockstep._internal.early_warm`), when ``lockstep run train.py``
+starts (before the script's first line), or else when :mod:`lockstep.torch` is imported. At
+``fit()`` the local executor asks it to import the installed packages the job names, then to fork
+one child per rank; the warm process stays for the next ``fit()``. Set ``LOCKSTEP_WARM_START=0``
+to start every worker afresh instead.
 
 Nothing is started inside a worker, under torchrun, in a Ray worker, in a process started by
 ``multiprocessing``, outside the main thread, or off Linux. If the warm process is gone or
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from lockstep._internal.descriptors import readable_within
-from lockstep._internal.warm.preload import preload_modules
+from lockstep._internal.warm.preload import guessed_modules, preload_modules
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +69,8 @@ def why_not_here() -> str | None:
         return "this is a Ray worker"
     import multiprocessing
 
-    if multiprocessing.parent_process() is not None:
-        return "started by multiprocessing"
+    if multiprocessing.parent_process() is not None or "--multiprocessing-fork" in sys.orig_argv:
+        return "started by multiprocessing"  # the flag: a spawned child still importing the main script
     if threading.current_thread() is not threading.main_thread():
         return "not the main thread (the warm process would die with this thread)"
     return None
@@ -87,7 +90,7 @@ def _in_ray_worker() -> bool:
 class WarmProcess:
     """The driver's handle on its warm process: requests go over a socket pair."""
 
-    def __init__(self) -> None:
+    def __init__(self, guessed: list[str]) -> None:
         from lockstep._internal.rank.python_path import worker_pythonpath
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -104,7 +107,14 @@ class WarmProcess:
             PYTHONPATH=worker_pythonpath(env),
         )
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lockstep._internal.warm.zygote", str(theirs.fileno()), str(os.getpid())],
+            [
+                sys.executable,
+                "-m",
+                "lockstep._internal.warm.zygote",
+                str(theirs.fileno()),
+                str(os.getpid()),
+                json.dumps(guessed),
+            ],
             env=env,
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
@@ -232,8 +242,9 @@ _fallback_logged = False
 _released = False
 
 
-def start_in_background() -> None:
-    """Start the warm process, unless one runs or this process must not have one."""
+def start_in_background(script: str | None = None) -> None:
+    """Start the warm process, unless one runs or this process must not have one; with the path
+    of the user's ``script``, it also imports the installed packages the script imports."""
     global _warm
     if _warm is not None:
         return
@@ -242,7 +253,7 @@ def start_in_background() -> None:
         logger.debug("no warm process: %s", reason)
         return
     try:
-        _warm = WarmProcess()
+        _warm = WarmProcess(guessed_modules(script) if script is not None else [])
     except OSError as error:
         logger.debug("no warm process: %s", error)
         return

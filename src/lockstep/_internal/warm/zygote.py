@@ -1,7 +1,9 @@
-"""The warm process: ``python -m lockstep._internal.warm.zygote CONTROL_FD DRIVER_PID``.
+"""The warm process: ``python -m lockstep._internal.warm.zygote CONTROL_FD DRIVER_PID [GUESSED]``.
 
 A fresh interpreter (never a fork of the user's driver) that imports torch and lockstep's worker
-runtime, then waits for the driver (see :mod:`lockstep._internal.warm.warm_start`). At ``fit()`` the
+runtime, then the installed modules of ``GUESSED`` (a JSON list: what the driver's script imports,
+see :func:`lockstep._internal.warm.preload.guessed_modules`) until the driver's first request
+arrives, then waits for the driver (see :mod:`lockstep._internal.warm.warm_start`). At ``fit()`` the
 driver asks it to import the modules the job names and to fork one child per rank; each child
 becomes what ``python -m lockstep._internal.rank.worker`` would be: the driver's environment and
 working directory at ``fit()``, a session of its own, the driver's output pipes and payload file
@@ -16,13 +18,14 @@ Messages are JSON, one per SOCK_SEQPACKET datagram, descriptors attached with SC
 - any refusal: ``{"ok": false, "error": "..."}``; after one the process exits.
 
 Forking is refused when this process is no longer safe to fork: a thread running (a preloaded
-module started one), or CUDA initialised or its driver library loaded.
+module started one, guessed or asked for), or CUDA initialised or its driver library loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -60,6 +63,41 @@ def warm_up() -> None:
     import lockstep.torch  # noqa: F401  (LOCKSTEP_WARM_START=0 here: starts nothing)
 
 
+def import_guessed(names: list[str], control: socket.socket) -> str | None:
+    """Import the installed modules of ``names`` in order, until the driver sends a request
+    (its ``fit()`` has come: what it needs is then asked for exactly). Returns why forking became
+    unsafe (a module started a thread, ...), or None."""
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    poller = select.poll()
+    poller.register(control.fileno(), select.POLLIN)
+    for name in names:
+        if poller.poll(0):
+            break
+        if name in sys.modules or not _installed(name.partition(".")[0], prefixes):
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a guess: the workers import what they need themselves
+            continue
+        reason = unsafe_to_fork()
+        if reason is not None:
+            return f"after importing {name!r} (imported by the script), {reason}"
+    return None
+
+
+def _installed(top: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether the top-level module ``top`` comes from this Python's installation (found
+    without importing it): never the user's own files."""
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    places = [spec.origin] if spec is not None and spec.origin else []
+    if spec is not None and spec.submodule_search_locations:
+        places += list(spec.submodule_search_locations)
+    return bool(places) and all(os.path.abspath(place).startswith(prefixes) for place in places)
+
+
 def os_threads() -> int:
     """This process's threads, as the kernel counts them (Python's and native ones)."""
     return len(os.listdir("/proc/self/task"))
@@ -81,8 +119,9 @@ def unsafe_to_fork() -> str | None:
 class Zygote:
     """Serves the driver's requests on ``control`` until the driver closes it."""
 
-    def __init__(self, control: socket.socket) -> None:
+    def __init__(self, control: socket.socket, unsafe: str | None = None) -> None:
         self.control = control
+        self.unsafe = unsafe  # why forking is unsafe since the guessed imports, refused at once
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.base_path = _base_path()
 
@@ -118,6 +157,8 @@ class Zygote:
             return False
         request = json.loads(data)
         try:
+            if self.unsafe is not None:
+                raise RuntimeError(f"the warm process can't fork safely: {self.unsafe}")
             if request["op"] == "prepare":
                 self._send({"ok": True, "skipped": self._prepare(request["sys_path"], request["modules"])})
             elif request["op"] == "fork":
@@ -231,7 +272,8 @@ def main() -> None:
     die_with(driver_pid)
     control = socket.socket(fileno=control_fd)
     warm_up()
-    Zygote(control).serve()
+    guessed = json.loads(sys.argv[3]) if len(sys.argv) > 3 else []
+    Zygote(control, import_guessed(guessed, control)).serve()
     os._exit(0)  # the driver has gone: the children die with this process
 
 

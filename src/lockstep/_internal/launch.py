@@ -1,0 +1,51 @@
+"""``lockstep run SCRIPT [ARGS...]``: run a training script as ``python SCRIPT ARGS...`` would,
+with its warm worker process started before the script's first line.
+
+A script that imports torch (and torchvision) before lockstep gives lockstep control only after
+those imports; the warm process then imports torch again before the workers can start. Started
+here instead, it imports torch and the packages the script imports beside the script's own
+imports. The script runs in this process as ``__main__`` (its arguments in ``sys.argv``, its
+folder first on ``sys.path``); its exceptions and exit status are its own.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from types import TracebackType
+
+__all__ = ["run_script"]
+
+
+def run_script(script: str, arguments: Sequence[str]) -> int:
+    """Start the warm process for ``script``, then run it as the main module; the exit status
+    (1 when it raised: its traceback is printed from the script's frame on, as Python does).
+
+    Raises:
+        FileNotFoundError: ``script`` is not a file.
+    """
+    path = os.path.abspath(script)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no script at {script!r}: give the path of a Python file, as to `python`")
+    from lockstep._internal.warm import warm_start
+
+    warm_start.start_in_background(path)
+    sys.argv = [script, *arguments]
+    sys.path[0] = os.path.dirname(path)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Exception as error:  # noqa: BLE001 - shown as `python SCRIPT` shows it
+        trace = _from_script(error.__traceback__, path)
+        sys.excepthook(type(error), error.with_traceback(trace), trace)
+        return 1
+    return 0
+
+
+def _from_script(trace: TracebackType | None, path: str) -> TracebackType | None:
+    """``trace`` without the launcher's frames (those before the script's first)."""
+    found = trace
+    while found is not None and found.tb_frame.f_code.co_filename != path:
+        found = found.tb_next
+    return found or trace
