@@ -6,10 +6,10 @@ Every message read from a connection is checked to come from that connection's r
 
 One event loop serves a whole group: the listener, every connection (opening or open) and
 whatever else the executor watches (process handles, a wake-up pipe) are registered once with
-an ``epoll`` selector, so a wait costs the same with 2 ranks as with 1,000, and nothing the
-driver reads ever blocks it: an opening connection is read as its bytes come
-(:class:`~lockstep._internal.wire.channel.DriverHandshake`), and an answer every rank gets is
-encoded once.
+one ``epoll`` (:class:`~lockstep._internal.executors.ready_set.ReadySet`), so a wait costs the
+same with 2 ranks as with 1,000, and nothing the driver reads ever blocks it: an opening
+connection is read as its bytes come (:class:`~lockstep._internal.wire.channel.DriverHandshake`),
+and an answer every rank gets is encoded once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
-import selectors
 import socket
 import time
 from collections.abc import Iterable
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep._internal.descriptors import ensure_descriptors_for
+from lockstep._internal.executors.ready_set import ReadySet
 from lockstep._internal.output.worker_output import ConsoleMode, OutputRelay
 from lockstep._internal.run.failures import FailureKind
 from lockstep._internal.run.worker_group import WorkerExited, WorkerGroup
@@ -63,8 +63,8 @@ class WorkerConnections:
     def __init__(self, host: str, world_size: int) -> None:
         ensure_descriptors_for(world_size)
         self.listener = channel.DriverListener(host, world_size)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self.listener.fileno(), selectors.EVENT_READ, self.listener)
+        self._ready = ReadySet()
+        self._ready.add(self.listener.fileno(), self.listener)
         self._opening: set[_Peer] = set()
         self._by_rank: dict[int, _Peer] = {}
         self._peers: dict[int, str] = {}  # every rank that connected to this group, and its host
@@ -83,11 +83,11 @@ class WorkerConnections:
     def watch(self, handle: Any, tag: Any = None) -> None:
         """Wake :meth:`wait` when ``handle`` (a descriptor or an object with ``fileno()``) is
         readable; :meth:`wait` then hands back ``tag`` (``handle`` itself if None)."""
-        self._selector.register(handle, selectors.EVENT_READ, _Watched(handle if tag is None else tag))
+        self._ready.add(handle, _Watched(handle if tag is None else tag))
 
     def unwatch(self, handle: Any) -> None:
         """Stop watching ``handle`` (before it is closed)."""
-        self._selector.unregister(handle)
+        self._ready.remove(handle)
 
     def wait(self, timeout: float | None) -> tuple[list[Any], list[Any]]:
         """Wait until a rank sends something, a peer connects or a watched handle is ready (or
@@ -95,8 +95,7 @@ class WorkerConnections:
         in their turn, and the tags of the watched handles that are ready)."""
         events: list[Any] = []
         ready_handles: list[Any] = []
-        for key, _ in self._selector.select(self._bounded(timeout)):
-            target = key.data
+        for target in self._ready.ready(self._bounded(timeout)):
             if isinstance(target, _Watched):
                 ready_handles.append(target.tag)
             elif target is self.listener:
@@ -118,7 +117,7 @@ class WorkerConnections:
         for sock, host in self.listener.accept_waiting():
             peer = _Peer(sock, host, self.listener.handshake(host, self._refusal), deadline)
             self._opening.add(peer)
-            self._selector.register(sock, selectors.EVENT_READ, peer)
+            self._ready.add(sock, peer)
 
     def _refusal(self, rank: int) -> str | None:
         """Why ``rank`` may not connect now (None: it may): each rank connects once per group."""
@@ -216,7 +215,7 @@ class WorkerConnections:
         if peer.rank is not None and self._by_rank.get(peer.rank) is peer:
             del self._by_rank[peer.rank]
         with contextlib.suppress(KeyError, ValueError):  # not registered (any more)
-            self._selector.unregister(peer.sock)
+            self._ready.remove(peer.sock)
         peer.sock.close()
 
     def drain_rank(self, rank: int, until_closed_s: float = 0.0) -> list[Any]:
@@ -270,7 +269,7 @@ class WorkerConnections:
         """Close every connection and the listener."""
         for peer in [*self._by_rank.values(), *self._opening]:
             self._close(peer)
-        self._selector.close()
+        self._ready.close()
         self.listener.close()
 
 
