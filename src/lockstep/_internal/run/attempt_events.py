@@ -190,8 +190,9 @@ class AttemptEvents:
 
     def _on_report(self, report: protocol.Report, attempt: Attempt, group: WorkerGroup) -> None:
         calls = attempt.barrier.arrive(report)
-        if calls is None:
-            attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished) or self._deadlock(attempt))
+        if calls is None:  # not the last: only a finished rank or a waiting collective can strand it
+            if attempt.liveness.finished or attempt.collectives.waiting:
+                attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished) or self._deadlock(attempt))
             return
         self._record(report.index, calls, attempt)
         if attempt.hangs is not None:
