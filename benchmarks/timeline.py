@@ -1,8 +1,8 @@
 """Where the time of seed 003's job goes, lockstep against torchrun + hand-written DDP: the
 timeline behind bench_jobs.py's whole-process figure.
 
-Runs ``jobs/mlp_lockstep.py`` (with the warm start, and with ``LOCKSTEP_WARM_START=0``: workers
-started as fresh interpreters) and ``jobs/mlp_torchrun.py`` (2 workers, 1 epoch) in interleaved
+Runs ``jobs/mlp_lockstep.py`` (``python job.py`` and ``lockstep run job.py`` with the warm start,
+and ``python job.py`` with ``LOCKSTEP_WARM_START=0``: workers started as fresh interpreters) and ``jobs/mlp_torchrun.py`` (2 workers, 1 epoch) in interleaved
 rounds with ``LOCKSTEP_BENCH_STAMPS=1``: each process of the job then writes a line when it
 reaches a point of the job (``jobs/mlp_common.py``'s ``stamp``). Every point is given in seconds
 from the launch of the command, the median over the rounds (for a point several processes
@@ -30,7 +30,8 @@ from jobrunner import Variant, job_command, run_job
 from machine import describe_machine, machine_line
 from record import add_results_args, ratio_of_medians, write_result
 
-LAUNCHERS = [Variant("lockstep", "lockstep", "lockstep"),
+LAUNCHERS = [Variant("lockstep", "lockstep (python job.py)", "lockstep"),
+             Variant("lockstep_run", "lockstep run job.py", "lockstep_run"),
              Variant("lockstep_cold", "lockstep, LOCKSTEP_WARM_START=0", "lockstep", env=(("LOCKSTEP_WARM_START", "0"),)),
              Variant("torchrun", "torchrun + DDP", "torchrun")]
 LOCKSTEP_POINTS = ["imports done", "fit starts", "train function starts", "training starts", "training ends",
@@ -38,6 +39,7 @@ LOCKSTEP_POINTS = ["imports done", "fit starts", "train function starts", "train
 #: The points of each launcher's timeline, in the order they come.
 POINTS = {
     "lockstep": LOCKSTEP_POINTS,
+    "lockstep_run": LOCKSTEP_POINTS,
     "lockstep_cold": LOCKSTEP_POINTS,
     "torchrun": ["imports done", "process group ready", "training starts", "training ends", "validation ends",
                  "work done", "process exits"],
@@ -87,7 +89,7 @@ def training_phases(samples: dict[str, list[dict[str, float]]]) -> dict[str, Any
     """Each lockstep variant's training phase over torchrun's: ratio of the medians and its interval."""
     phases = {key: [run["training ends"] - run["training starts"] for run in runs] for key, runs in samples.items()}
     compared = {}
-    for key in ("lockstep", "lockstep_cold"):
+    for key in ("lockstep", "lockstep_run", "lockstep_cold"):
         ratio, interval = ratio_of_medians(phases[key], phases["torchrun"])
         compared[key] = {"median_s": statistics.median(phases[key]), "ratio": ratio, "ci95": interval}
     return {"phases_s": phases, "torchrun_median_s": statistics.median(phases["torchrun"]), "over_torchrun": compared}

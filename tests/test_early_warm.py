@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from lockstep._internal.warm.preload import FOR_PREPARED_MODELS, guessed_modules
+from lockstep._internal.warm.preload import FOR_PREPARED_MODELS, scan_script
 from lockstep._internal.warm.zygote import Zygote, import_guessed
 
 LOCKSTEP_COMMAND = str(Path(sys.executable).with_name("lockstep"))
@@ -60,14 +60,18 @@ def test_the_guess_is_the_installed_packages_the_script_and_its_own_modules_impo
             import pandas
     """))
     # the script's top-level imports, then those inside its functions, then its own modules'
-    assert guessed_modules(str(script)) == ["torch", "torchvision", "pandas", *FOR_PREPARED_MODELS, "numpy"]
+    scan = scan_script(str(script))
+    assert scan.modules == ["torch", "torchvision", "pandas", *FOR_PREPARED_MODELS, "numpy"]
+    assert scan.builds_trainer is False
+    (tmp_path / "helpers.py").write_text("import numpy\nfrom lockstep.torch import TorchTrainer\n")
+    assert scan_script(str(script)).builds_trainer is True, "a trainer named in the script's own module counts"
 
 
 def test_a_script_that_cannot_be_read_or_parsed_guesses_nothing(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("import torch\ndef (:\n")
-    assert guessed_modules(str(broken)) == []
-    assert guessed_modules(str(tmp_path / "missing.py")) == []
+    assert scan_script(str(broken)).modules == []
+    assert scan_script(str(tmp_path / "missing.py")).modules == []
 
 
 # -- the warm process's side of the guess --------------------------------------------------------
@@ -114,22 +118,26 @@ def test_a_warm_process_made_unsafe_by_a_guess_refuses_the_first_request() -> No
 @pytest.mark.timeout(120)
 def test_import_lockstep_in_a_script_starts_it_with_the_script_s_imports(tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
-    script.write_text("import lockstep\nif False:\n    import torchvision\n" + WARM_FACTS)
+    script.write_text("import lockstep\nif False:\n    import torchvision\n    from lockstep.torch import TorchTrainer\n"
+                      + WARM_FACTS)
     facts = result_of(run([sys.executable, str(script)]))
     assert facts["warm"] is not None and facts["torch"] is False, "import lockstep loaded torch in the driver"
     assert facts["guessed"] == ["torchvision"]
     assert result_of(run([sys.executable, str(script)], LOCKSTEP_WARM_START="0"))["warm"] is None
+    tool = tmp_path / "tool.py"
+    tool.write_text("import lockstep\n" + WARM_FACTS)
+    assert result_of(run([sys.executable, str(tool)]))["warm"] is None, "a script naming no trainer got one"
 
 
 @pytest.mark.timeout(120)
 def test_import_lockstep_outside_a_script_starts_nothing(tmp_path: Path) -> None:
     assert result_of(run([sys.executable, "-c", "import lockstep\n" + WARM_FACTS]))["warm"] is None
-    (tmp_path / "as_module.py").write_text("import lockstep\n" + WARM_FACTS)
+    (tmp_path / "as_module.py").write_text("import lockstep  # builds a TorchTrainer later\n" + WARM_FACTS)
     # python -m: lockstep was imported by the module's code, so the module is the script...
     assert result_of(run([sys.executable, "-m", "as_module"], PYTHONPATH=str(tmp_path)))["warm"] is not None
     # ... but lockstep's own modules run with -m (workers, validation processes) are not
     probe = "import sys; sys.argv[0] = sys.argv[1]; import lockstep\n" + WARM_FACTS
-    own = str(REPO_ROOT / "src" / "lockstep" / "_internal" / "rank" / "worker.py")
+    own = str(REPO_ROOT / "src" / "lockstep" / "torch" / "trainer.py")  # names TorchTrainer, yet lockstep's
     assert result_of(run([sys.executable, "-c", probe, own]))["warm"] is None
 
 

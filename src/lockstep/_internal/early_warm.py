@@ -1,7 +1,8 @@
 """Start the warm process as soon as ``import lockstep`` runs in a user's script.
 
 A script run as ``python train.py`` (or ``lockstep run train.py``) that imports lockstep (any of
-its modules) will likely call ``fit()``: its warm process (:mod:`lockstep._internal.warm.warm_start`)
+its modules) and names one of its trainers (it, or its own modules beside it, e.g.
+``TorchTrainer``) will likely call ``fit()``: its warm process (:mod:`lockstep._internal.warm.warm_start`)
 starts then, so that it imports torch and the script's packages beside the script's own imports rather than after them.
 Only the check lives here: importing lockstep anywhere else (``python -c``, ``python -m``, the
 ``lockstep`` command and its dashboard, workers, validation processes) imports nothing of the
@@ -34,9 +35,14 @@ def user_script() -> str | None:
 
 
 def start_for_script() -> None:
-    """Start the warm process for the script this interpreter runs, if it runs one."""
+    """Start the warm process for the script this interpreter runs, if it runs one that names
+    one of lockstep's trainers (it, or its own modules beside it)."""
     script = user_script()
-    if script is not None:
-        from lockstep._internal.warm import warm_start
+    if script is None:
+        return
+    from lockstep._internal.warm import warm_start
+    from lockstep._internal.warm.preload import scan_script
 
-        warm_start.start_in_background(script)
+    scan = scan_script(script)
+    if scan.builds_trainer:
+        warm_start.start_in_background(scan.modules)

@@ -30,8 +30,9 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no script at {script!r}: give the path of a Python file, as to `python`")
     from lockstep._internal.warm import warm_start
+    from lockstep._internal.warm.preload import scan_script
 
-    warm_start.start_in_background(path)
+    warm_start.start_in_background(scan_script(path).modules)
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(path)
     try:

@@ -1,7 +1,7 @@
 """Which modules the warm process imports before it forks a ``fit()``'s workers (see
 :mod:`lockstep._internal.warm.warm_start`): the installed packages the job needs, never the user's
 own modules. Two lists: a guess made when the warm process starts, from the import statements of
-the user's script (:func:`guessed_modules`), and at ``fit()`` the modules the job's pickle names
+the user's script (:func:`scan_script`), and at ``fit()`` the modules the job's pickle names
 (:func:`preload_modules`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import re
 import struct
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 
 #: How much of the payload is searched for module names (its pickle comes first).
@@ -79,13 +80,30 @@ def _pickle_of(payload: bytes) -> memoryview:
     return view[start : start + length]
 
 
-def guessed_modules(script: str) -> list[str]:
-    """The modules the script at ``script`` (and its own modules beside it, which it imports)
-    import (top-level statements first): a guess of what its workers will need, imported by the warm
-    process while the script runs its own imports. Names outside this Python's installation are
-    dropped by the warm process; standard-library, lockstep's and never-preloaded ones here."""
+@dataclass(frozen=True)
+class ScriptScan:
+    """What a user's script (and its own modules beside it) says about the run it will start."""
+
+    #: The installed modules it imports, top-level statements first: a guess of what its workers
+    #: need, imported by the warm process while the script runs its own imports (names outside
+    #: this Python's installation are dropped there; standard-library, lockstep's and
+    #: never-preloaded ones here).
+    modules: list[str]
+    #: Whether it names one of lockstep's trainers: a script that only uses lockstep's other
+    #: modules (a tool, a benchmark's scripted ranks) gets no warm process at ``import lockstep``.
+    builds_trainer: bool
+
+
+#: Names whose presence in a script says it will call ``fit()`` on this machine, likely.
+TRAINER_NAMES = (b"TorchTrainer", b"DataParallelTrainer")
+
+
+def scan_script(script: str) -> ScriptScan:
+    """Read the script at ``script`` and the modules beside it that it imports (at most
+    :data:`SCANNED_LOCAL_MODULES`); unreadable or unparsable files say nothing."""
     folder = os.path.dirname(os.path.abspath(script))
     found: list[str] = []
+    builds_trainer = False
     queue, seen = [os.path.abspath(script)], set[str]()
     while queue and len(seen) < SCANNED_LOCAL_MODULES:
         path = queue.pop(0)
@@ -106,7 +124,8 @@ def guessed_modules(script: str) -> list[str]:
                 found.append(name)
         if b"prepare_model" in text:
             found += FOR_PREPARED_MODELS
-    return list(dict.fromkeys(found))
+        builds_trainer = builds_trainer or any(name in text for name in TRAINER_NAMES)
+    return ScriptScan(list(dict.fromkeys(found)), builds_trainer)
 
 
 def _imported_names(tree: ast.AST) -> list[str]:

@@ -26,11 +26,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from lockstep._internal.descriptors import readable_within
-from lockstep._internal.warm.preload import guessed_modules, preload_modules
+from lockstep._internal.warm.preload import preload_modules
 
 logger = logging.getLogger(__name__)
 
@@ -242,9 +242,10 @@ _fallback_logged = False
 _released = False
 
 
-def start_in_background(script: str | None = None) -> None:
-    """Start the warm process, unless one runs or this process must not have one; with the path
-    of the user's ``script``, it also imports the installed packages the script imports."""
+def start_in_background(guessed: Sequence[str] = ()) -> None:
+    """Start the warm process, unless one runs or this process must not have one; it also
+    imports the installed modules of ``guessed`` (those the user's script imports) until the
+    first ``fit()``."""
     global _warm
     if _warm is not None:
         return
@@ -253,7 +254,7 @@ def start_in_background(script: str | None = None) -> None:
         logger.debug("no warm process: %s", reason)
         return
     try:
-        _warm = WarmProcess(guessed_modules(script) if script is not None else [])
+        _warm = WarmProcess(list(guessed))
     except OSError as error:
         logger.debug("no warm process: %s", error)
         return
