@@ -56,9 +56,12 @@ def train_func(config: dict[str, Any]) -> None:
             optimizer.step()
         metrics = {"loss": loss.item(), "epoch": epoch}
         with tempfile.TemporaryDirectory() as temp_checkpoint_dir:
-            state = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
-            torch.save(state, os.path.join(temp_checkpoint_dir, "model.pt"))
-            lockstep.report(metrics, checkpoint=lockstep.Checkpoint.from_directory(temp_checkpoint_dir))
+            checkpoint = None
+            if lockstep.get_context().get_world_rank() == 0:  # one writer: BatchNorm's running stats differ per rank
+                state = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
+                torch.save(state, os.path.join(temp_checkpoint_dir, "model.pt"))
+                checkpoint = lockstep.Checkpoint.from_directory(temp_checkpoint_dir)
+            lockstep.report(metrics, checkpoint=checkpoint)
         if lockstep.get_context().get_world_rank() == 0:
             print(metrics, flush=True)
 
