@@ -32,7 +32,8 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
     from lockstep._internal.warm import warm_start
     from lockstep._internal.warm.preload import scan_script
 
-    warm_start.start_in_background(scan_script(path).modules)
+    if warm_start.warm_process_pid() is None:  # else `import lockstep` started it for this script already
+        warm_start.start_in_background(scan_script(path).modules)
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(path)
     try:

@@ -40,10 +40,7 @@ def preload_modules(payload: bytes) -> list[str]:
             names |= _imported_by(module)
     chosen = []
     for name, module in modules:
-        top = name.partition(".")[0]
-        if top in sys.stdlib_module_names or top in NEVER_PRELOADED or name.encode() not in names or top == "lockstep":
-            continue
-        if any(part.startswith("_") for part in name.split(".")) or name == "__main__":
+        if name.encode() not in names or not _may_preload(name):
             continue
         if _installed(module, prefixes):
             chosen.append(name)
