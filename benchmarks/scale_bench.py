@@ -77,10 +77,12 @@ def _scripted_group_class() -> Any:
 
         def __init__(self, world_size: int, log_dir: str, script: dict[str, Any], per_process: int) -> None:
             super().__init__("127.0.0.1", world_size, log_dir, "none")
+            self.size = world_size
             self.script = script
             self.layout = _layout(world_size, per_process)
             self.processes: list[subprocess.Popen[bytes]] = []
             self.exit_handles: dict[int, int] = {}  # pidfd -> process index
+            self.released = False
 
         def start(self) -> None:
             for number, ranks in enumerate(self.layout):
@@ -110,12 +112,24 @@ def _scripted_group_class() -> Any:
                 assert self._output is not None
                 self._output.attach(rank, os.fdopen(out[0], "rb", buffering=0), os.fdopen(err[0], "rb", buffering=0))
             assert process.stdin is not None
-            process.stdin.write(json.dumps(spec).encode())
-            process.stdin.close()
+            process.stdin.write(json.dumps(spec).encode() + b"\n")
+            process.stdin.flush()
             return process
+
+        def _release_when_all_connected(self) -> None:
+            """Let every process start its reports once every rank is connected: real ranks start
+            training only after ``init_process_group`` has seen them all."""
+            if self.released or len(self._channels.connected_ranks()) < self.size:
+                return
+            self.released = True
+            for process in self.processes:
+                assert process.stdin is not None
+                process.stdin.write(b"go\n")
+                process.stdin.close()
 
         def wait_events(self, timeout: float | None) -> list[Any]:
             events, exited = self._wait(timeout)
+            self._release_when_all_connected()
             for handle in exited:
                 number = self.exit_handles.pop(handle)
                 self._channels.unwatch(handle)

@@ -6,7 +6,8 @@ is replaced by a script. The process reads its assignment as JSON on stdin (whic
 with the environment a real rank would get and the descriptors of its stdout and stderr pipes),
 then runs the script below for all its ranks, rank by rank within each step:
 
-1. connect every rank and read its ``Start``;
+1. connect every rank and read its ``Start``, then wait until the benchmark says that every rank
+   of the group is connected (as real ranks wait in ``init_process_group`` before their first step);
 2. ``reports`` metrics-only reports (index 0 .. reports-1), ``interval_s`` apart (the "step");
    the process holding rank 0 times rank 0's report from send to answer;
 3. one report with a checkpoint: each rank writes a small file into the checkpoint folder first;
@@ -22,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import selectors
+import select
 import signal
 import sys
 import time
@@ -85,18 +86,18 @@ def report_all(ranks: list[Rank], index: int, dir_name: str | None = None) -> fl
     return round_trip
 
 
+ANSWERS = select.epoll()  # every rank's channel of this process, registered once (in main)
+
+
 def answered_in_turn(ranks: list[Rank]) -> Iterator[Rank]:
     """The ranks as their answers arrive (one process waits on all their channels at once, as
     ranks on many machines would each wait on their own)."""
-    with selectors.DefaultSelector() as selector:
-        for rank in ranks:
-            selector.register(rank.channel.fileno(), selectors.EVENT_READ, rank)  # type: ignore[union-attr]
-        waiting = len(ranks)
-        while waiting:
-            for key, _ in selector.select():
-                selector.unregister(key.fd)
-                waiting -= 1
-                yield key.data
+    waiting = {rank.channel.fileno(): rank for rank in ranks}  # type: ignore[union-attr]
+    while waiting:
+        for fd, _ in ANSWERS.poll():
+            rank = waiting.pop(fd, None)
+            if rank is not None:
+                yield rank
 
 
 def write_checkpoint_files(ranks: list[Rank], run_path: str, dir_name: str) -> None:
@@ -131,10 +132,13 @@ def write_output(ranks: list[Rank], seconds: float, lines_per_s: float) -> float
 
 def main() -> None:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    spec = json.loads(sys.stdin.read())
+    spec = json.loads(sys.stdin.readline())
     ranks = [Rank(item["rank"], item["env"], item["stdout_fd"]) for item in spec["ranks"]]
     for rank in ranks:
         rank.connect()
+        ANSWERS.register(rank.channel.fileno(), select.EPOLLIN)  # type: ignore[union-attr]
+    if sys.stdin.readline() != "go\n":  # every rank is connected (a real rank waits in init_process_group)
+        raise SystemExit("scale_ranks: the benchmark ended before every rank connected")
     stats: dict[str, Any] = {"ranks": [rank.rank for rank in ranks], "round_trips_s": []}
     index = 0
     for _ in range(spec["reports"]):
