@@ -29,11 +29,13 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
     path = os.path.abspath(script)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no script at {script!r}: give the path of a Python file, as to `python`")
+    from lockstep._internal.fast_exit import end_without_last_collections
     from lockstep._internal.warm import warm_start
     from lockstep._internal.warm.preload import scan_script
 
     if warm_start.warm_process_pid() is None:  # else `import lockstep` started it for this script already
         warm_start.start_in_background(scan_script(path).modules)
+    end_without_last_collections()
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(path)
     try:
