@@ -40,6 +40,7 @@ judged on the median over rounds of the per-round figure, by its 95 % bootstrap 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -77,7 +78,7 @@ def _scripted_group_class() -> Any:
 
         def __init__(self, world_size: int, log_dir: str, script: dict[str, Any], per_process: int) -> None:
             super().__init__("127.0.0.1", world_size, log_dir, "none")
-            self.size = world_size
+            self.world_size = world_size
             self.script = script
             self.layout = _layout(world_size, per_process)
             self.processes: list[subprocess.Popen[bytes]] = []
@@ -119,12 +120,20 @@ def _scripted_group_class() -> Any:
         def _release_when_all_connected(self) -> None:
             """Let every process start its reports once every rank is connected: real ranks start
             training only after ``init_process_group`` has seen them all."""
-            if self.released or len(self._channels.connected_ranks()) < self.size:
+            if self.released or len(self._channels.connected_ranks()) < self.world_size:
                 return
             self.released = True
             for process in self.processes:
-                assert process.stdin is not None
-                process.stdin.write(b"go\n")
+                with contextlib.suppress(BrokenPipeError):  # it died: its ranks' failures say so
+                    self._tell(process, b"go\n")
+
+        @staticmethod
+        def _tell(process: subprocess.Popen[bytes], line: bytes) -> None:
+            assert process.stdin is not None
+            try:
+                if process.poll() is None:
+                    process.stdin.write(line)
+            finally:
                 process.stdin.close()
 
         def wait_events(self, timeout: float | None) -> list[Any]:
@@ -145,6 +154,9 @@ def _scripted_group_class() -> Any:
 
         def stop(self) -> None:
             for process in self.processes:
+                if process.stdin is not None and not process.stdin.closed:  # never released
+                    with contextlib.suppress(BrokenPipeError):
+                        process.stdin.close()
                 if process.poll() is None:
                     os.killpg(process.pid, signal.SIGKILL)
             for process in self.processes:

@@ -62,7 +62,7 @@ class Rank:
         return self.channel.recv()
 
 
-def report_all(ranks: list[Rank], index: int, dir_name: str | None = None) -> float | None:
+def report_all(ranks: list[Rank], answers: select.epoll, index: int, dir_name: str | None = None) -> float | None:
     """Every rank sends report ``index`` and waits for its answer; rank 0's round trip (s), if here."""
     times = StepTimes(window_s=0.05, data_s=0.01, collective_s=0.005, report_s=0.001)
     sent_at = {}
@@ -78,7 +78,7 @@ def report_all(ranks: list[Rank], index: int, dir_name: str | None = None) -> fl
         sent_at[rank.rank] = time.perf_counter()
         rank.send(message)
     round_trip = None
-    for rank in answered_in_turn(ranks):
+    for rank in answered_in_turn(ranks, answers):
         done = rank.answer()
         assert isinstance(done, protocol.ReportDone) and done.index == index, done
         if rank.rank == 0:
@@ -86,15 +86,17 @@ def report_all(ranks: list[Rank], index: int, dir_name: str | None = None) -> fl
     return round_trip
 
 
-ANSWERS = select.epoll()  # every rank's channel of this process, registered once (in main)
-
-
-def answered_in_turn(ranks: list[Rank]) -> Iterator[Rank]:
+def answered_in_turn(ranks: list[Rank], answers: select.epoll) -> Iterator[Rank]:
     """The ranks as their answers arrive (one process waits on all their channels at once, as
-    ranks on many machines would each wait on their own)."""
-    waiting = {rank.channel.fileno(): rank for rank in ranks}  # type: ignore[union-attr]
+    ranks on many machines would each wait on their own). Each channel is registered with
+    ``answers`` once, for one event at a time: it is armed again here, for this round's answer."""
+    waiting = {}
+    for rank in ranks:
+        fd = rank.channel.fileno()  # type: ignore[union-attr]
+        answers.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        waiting[fd] = rank
     while waiting:
-        for fd, _ in ANSWERS.poll():
+        for fd, _ in answers.poll():
             rank = waiting.pop(fd, None)
             if rank is not None:
                 yield rank
@@ -134,31 +136,32 @@ def main() -> None:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     spec = json.loads(sys.stdin.readline())
     ranks = [Rank(item["rank"], item["env"], item["stdout_fd"]) for item in spec["ranks"]]
+    answers = select.epoll()
     for rank in ranks:
         rank.connect()
-        ANSWERS.register(rank.channel.fileno(), select.EPOLLIN)  # type: ignore[union-attr]
+        answers.register(rank.channel.fileno(), select.EPOLLONESHOT)  # type: ignore[union-attr]  # armed per round
     if sys.stdin.readline() != "go\n":  # every rank is connected (a real rank waits in init_process_group)
         raise SystemExit("scale_ranks: the benchmark ended before every rank connected")
     stats: dict[str, Any] = {"ranks": [rank.rank for rank in ranks], "round_trips_s": []}
     index = 0
     for _ in range(spec["reports"]):
         time.sleep(spec["interval_s"])
-        round_trip = report_all(ranks, index)
+        round_trip = report_all(ranks, answers, index)
         if round_trip is not None:
             stats["round_trips_s"].append(round_trip)
         index += 1
     dir_name = "checkpoint_scale"
     write_checkpoint_files(ranks, spec["run_path"], dir_name)
     stats["checkpoint_report_sent_at"] = time.time()
-    report_all(ranks, index, dir_name)
+    report_all(ranks, answers, index, dir_name)
     index += 1
     stats["longest_output_write_s"] = write_output(ranks, spec["output_s"], spec["lines_per_s"])
     stats["lines_written"] = {str(rank.rank): rank.lines_written for rank in ranks}
-    report_all(ranks, index)
+    report_all(ranks, answers, index)
     index += 1
     with open(spec["stats_path"], "w") as handle:
         json.dump(stats, handle)
-    report_all(ranks, index)
+    report_all(ranks, answers, index)
     index += 1
     if spec["victim"]:
         while True:  # killed by the benchmark

@@ -1,5 +1,6 @@
-"""``lockstep run``'s exit (lockstep._internal.fast_exit): the script's threads, exit handlers and
-open files end as under Python's own exit; only the collector's last walk is skipped."""
+"""``lockstep run``'s exit (lockstep._internal.fast_exit): the script's threads, exit handlers,
+exit status, open files and finalizers end as under Python's own exit; what an installed package
+holds is frozen instead of torn down."""
 
 from __future__ import annotations
 
@@ -10,61 +11,86 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO_ROOT
 
 LOCKSTEP_COMMAND = str(Path(sys.executable).with_name("lockstep"))
 
-SCRIPT = textwrap.dedent(
-    """
-    import atexit, os, sys, threading, time
+MARKERS = """
+import atexit, json, os, sys, threading, time
 
-    class Holder:
-        '''A reference cycle holding a file nobody closes: only a collection frees it.'''
-        def __init__(self, path):
-            self.me = self
-            self.file = open(path, "w")
-            self.marker_fd = os.open(path + ".collected", os.O_WRONLY | os.O_CREAT)
-        def __del__(self):
-            os.write(self.marker_fd, b"collected")
+class Marked:
+    # Writes 'finalized' into its file when finalized (with the module's globals still set).
+    def __init__(self, path, cycle=False):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        self.me = self if cycle else None
+    def __del__(self):
+        os.write(self.fd, b"finalized")
+"""
 
-    holder = Holder(sys.argv[1])
-    holder.file.write("written, never closed\\n")
+SCRIPT = MARKERS + """
+class Holder:
+    # A reference cycle holding a file nobody closes: only a collection frees it.
+    def __init__(self, path):
+        self.me = self
+        self.file = open(path, "w")
+        self.marker = Marked(path + ".cycle")
 
-    def after_the_script():
-        time.sleep(0.2)  # still running when the script's last line is done
-        with open(sys.argv[1] + ".thread", "w") as handle:
-            handle.write("thread done\\n")
+holder = Holder(sys.argv[1])
+holder.file.write("written, never closed\\n")
+plain = Marked(sys.argv[1] + ".plain")
 
-    threading.Thread(target=after_the_script).start()
-    atexit.register(print, "exit handler ran")
-    """
-)
+def after_the_script():
+    time.sleep(0.2)  # still running when the script's last line is done
+    with open(sys.argv[1] + ".thread", "w") as handle:
+        handle.write("thread done\\n")
+
+threading.Thread(target=after_the_script).start()
+atexit.register(print, "exit handler ran")
+sys.exit(3)
+"""
+
+HELD_BY_A_PACKAGE = MARKERS + """
+class Kept(Marked):
+    # Needs no global to be finalized: a package's teardown may have cleared this module by then.
+    def __init__(self, path):
+        super().__init__(path, cycle=True)
+        self.write = os.write
+    def __del__(self):
+        self.write(self.fd, b"finalized")
+
+json.kept_by_a_package = Kept(sys.argv[1] + ".package")  # only json's teardown drops it
+"""
 
 
-def run_script(tmp_path: Path, fast_exit: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_script(tmp_path: Path, text: str, fast_exit: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
+    script.write_text(textwrap.dedent(text))
     out = tmp_path / f"out_{fast_exit}"
     env = {**os.environ, "LOCKSTEP_WARM_START": "0", "LOCKSTEP_FAST_EXIT": fast_exit}
     completed = subprocess.run([LOCKSTEP_COMMAND, "run", str(script), str(out)], capture_output=True, text=True,
                                timeout=60, cwd=REPO_ROOT, env=env)
+    assert "Exception ignored" not in completed.stderr, completed.stderr
     return completed, out
 
 
 @pytest.mark.timeout(120)
-def test_the_fast_exit_skips_the_last_collection_and_keeps_threads_handlers_and_files(tmp_path: Path) -> None:
-    completed, out = run_script(tmp_path, "1")
-    assert completed.returncode == 0, completed.stderr
+@pytest.mark.parametrize("fast_exit", ["1", "0"])
+def test_the_script_ends_as_under_python_s_own_exit(tmp_path: Path, fast_exit: str) -> None:
+    completed, out = run_script(tmp_path, SCRIPT, fast_exit)
+    assert completed.returncode == 3, completed.stderr
     assert completed.stdout == "exit handler ran\n"
     assert Path(f"{out}.thread").read_text() == "thread done\n"
-    assert out.read_text() == "written, never closed\n"  # flushed before the collector was told to stop
-    assert Path(f"{out}.collected").read_text() == ""  # the cycle was never collected: the walk was skipped
+    assert out.read_text() == "written, never closed\n"
+    assert Path(f"{out}.cycle").read_text() == "finalized"  # the script's cycle was collected
+    assert Path(f"{out}.plain").read_text() == "finalized"
 
 
 @pytest.mark.timeout(120)
-def test_lockstep_fast_exit_0_keeps_python_s_own_exit(tmp_path: Path) -> None:
-    completed, out = run_script(tmp_path, "0")
-    assert completed.returncode == 0, completed.stderr
-    assert completed.stdout == "exit handler ran\n"
-    assert Path(f"{out}.thread").read_text() == "thread done\n"
-    assert Path(f"{out}.collected").read_text() == "collected"  # Python's last collection freed the cycle
+def test_what_an_installed_package_holds_is_frozen_not_torn_down(tmp_path: Path) -> None:
+    fast, out = run_script(tmp_path, HELD_BY_A_PACKAGE, "1")
+    assert fast.returncode == 0, fast.stderr
+    assert Path(f"{out}.package").read_text() == ""  # the collector's last walks were skipped
+    own, out = run_script(tmp_path, HELD_BY_A_PACKAGE, "0")
+    assert own.returncode == 0, own.stderr
+    assert Path(f"{out}.package").read_text() == "finalized"  # Python's teardown collected it

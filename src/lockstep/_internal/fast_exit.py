@@ -1,14 +1,26 @@
-"""A faster end for ``lockstep run``: Python's exit without its last collections of garbage.
+"""A faster end for ``lockstep run``: Python's exit without its walks over torch's objects.
 
-When a script that imported torch ends, Python spends most of its exit (about 0.4 s of 0.55 s
-with torch and torchvision loaded, on 2 CPUs) in the garbage collector, walking the hundreds of
-thousands of objects the imports made while it tears the modules down. ``lockstep run`` skips
-that walk: after the script's threads and exit handlers have run, it flushes every open buffered
-file and moves the objects still alive into the collector's permanent generation
-(:func:`gc.freeze`). Objects are still released as their last reference goes, so files left
-open are flushed and closed as before; what no longer runs is the finalizer of an object that
-only becomes garbage as part of a reference cycle during the teardown, which Python does not
-promise to run at exit either. ``LOCKSTEP_FAST_EXIT=0`` keeps Python's own exit.
+When a script that imported torch ends, Python spends most of its exit tearing down the hundreds
+of thousands of objects that its imports made, with several full collections of garbage on the
+way (on 2 CPUs with torch and torchvision loaded, the exit takes 0.57 s; 0.2-0.3 s with the step
+below). ``lockstep run`` shortens it. After the script's non-daemon threads have ended and its
+exit handlers have run, one step:
+
+1. every open buffered file is flushed (one that an installed package keeps open is never
+   closed below);
+2. the script's own modules (``__main__`` and the modules from its folder) leave ``sys.modules``,
+   and one full collection releases and finalizes what they alone held, their globals still set
+   while the finalizers run (as in Python's teardown); the globals of a module that an installed
+   package still holds something of (a function, a class) are then set to None, as Python's
+   teardown does, which releases what only they held;
+3. everything still alive (the installed packages' objects, torch's) is moved into the
+   collector's permanent generation (:func:`gc.freeze`), so the teardown's collections skip it
+   and the operating system reclaims it with the process.
+
+What no longer happens: an object that only the teardown of an installed package would release
+is not finalized (a buffered file it holds was flushed before), nor is a reference cycle that the
+clearing of a held module's globals leaves behind.
+``LOCKSTEP_FAST_EXIT=0`` keeps Python's own exit.
 """
 
 from __future__ import annotations
@@ -18,6 +30,10 @@ import contextlib
 import gc
 import io
 import os
+import sys
+import weakref
+from types import ModuleType
+from typing import Any
 
 __all__ = ["ENV_FAST_EXIT", "end_without_last_collections"]
 
@@ -25,22 +41,65 @@ ENV_FAST_EXIT = "LOCKSTEP_FAST_EXIT"
 _BUFFERED = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 
 
-def end_without_last_collections() -> bool:
-    """Arrange for this process's exit to skip the garbage collector's last walks (unless
-    ``LOCKSTEP_FAST_EXIT`` is 0, false or off); whether it did. Call it before the script runs:
-    the step runs after every exit handler registered later."""
+def end_without_last_collections(script_folder: str) -> bool:
+    """Arrange for this process's exit to take the shorter way above (unless ``LOCKSTEP_FAST_EXIT``
+    is 0, false or off), ``script_folder`` being where the script's own modules are; whether it
+    did. Call it before the script runs: the step runs after every exit handler registered later."""
     if os.environ.get(ENV_FAST_EXIT, "1").strip().lower() in ("0", "false", "off", "no"):
         return False
-    atexit.register(_freeze_what_is_left)
+    atexit.register(_end_shortly, os.path.abspath(script_folder))
     return True
 
 
-def _freeze_what_is_left() -> None:
-    """Flush every open buffered file (one that a cycle keeps alive would otherwise be flushed
-    only by the collection skipped here), then exempt the living objects from collection."""
+def _end_shortly(script_folder: str) -> None:
+    _flush_open_files()
+    probes = []
+    for name in _script_modules(script_folder):
+        probes.append(weakref.ref(_Probe(vars(sys.modules.pop(name)))))
+    sys.modules["__main__"] = ModuleType("__main__")
+    gc.collect()  # the script's modules that nothing else holds go, their globals set for finalizers
+    for probe in probes:
+        held = probe()
+        if held is not None:  # an installed package still holds something of it: clear it as Python would
+            _clear(held.names)
+    gc.freeze()
+
+
+class _Probe:
+    """Put in a module's globals: alive after a collection only if those globals are."""
+
+    def __init__(self, names: dict[str, Any]) -> None:
+        self.names = names
+        names["__lockstep_exit_probe__"] = self
+
+
+def _clear(names: dict[str, Any]) -> None:
+    """Set a module's names to None as Python's teardown does: ``_private`` names first."""
+    for private_first in (True, False):
+        for name in list(names):
+            if name != "__builtins__" and name.startswith("_") == private_first:
+                names[name] = None
+
+
+def _script_modules(script_folder: str) -> list[str]:
+    """``__main__`` and the imported modules whose file is in the script's folder (not an
+    installed package's, not lockstep's)."""
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    inside = script_folder.rstrip(os.sep) + os.sep
+    found = []
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        path = os.path.abspath(origin) if isinstance(origin, str) else ""
+        if name == "__main__" or (
+            path.startswith(inside) and not path.startswith(installed) and name.split(".")[0] != "lockstep"
+        ):
+            found.append(name)
+    return found
+
+
+def _flush_open_files() -> None:
     for item in gc.get_objects():
         if issubclass(type(item), _BUFFERED):
             with contextlib.suppress(Exception):  # closed, detached, or a reader that went away
                 if not item.closed:
                     item.flush()
-    gc.freeze()

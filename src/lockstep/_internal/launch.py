@@ -10,11 +10,12 @@ folder first on ``sys.path``); its exceptions and exit status are its own.
 
 from __future__ import annotations
 
+import builtins
+import io
 import os
-import runpy
 import sys
 from collections.abc import Sequence
-from types import TracebackType
+from types import ModuleType, TracebackType
 
 __all__ = ["run_script"]
 
@@ -35,16 +36,32 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
 
     if warm_start.warm_process_pid() is None:  # else `import lockstep` started it for this script already
         warm_start.start_in_background(scan_script(path).modules)
-    end_without_last_collections()
+    end_without_last_collections(os.path.dirname(path))
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(path)
     try:
-        runpy.run_path(path, run_name="__main__")
+        _run_as_main(path)
+    except SystemExit as stop:
+        stop.__traceback__ = None  # its frames would hold the script's globals past the exit's collection
+        raise
     except Exception as error:  # noqa: BLE001 - shown as `python SCRIPT` shows it
         trace = _from_script(error.__traceback__, path)
         sys.excepthook(type(error), error.with_traceback(trace), trace)
         return 1
     return 0
+
+
+def _run_as_main(path: str) -> None:
+    """Run the script at ``path`` as the ``__main__`` module, which stays in ``sys.modules`` until
+    the interpreter's teardown (as under ``python SCRIPT``: its objects live as long)."""
+    module = ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None, __builtins__=builtins
+    )
+    sys.modules["__main__"] = module
+    with io.open_code(path) as handle:
+        code = compile(handle.read(), path, "exec")
+    exec(code, module.__dict__)  # the user's script, as Python runs it
 
 
 def _from_script(trace: TracebackType | None, path: str) -> TracebackType | None:
