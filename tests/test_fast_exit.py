@@ -94,3 +94,18 @@ def test_what_an_installed_package_holds_is_frozen_not_torn_down(tmp_path: Path)
     own, out = run_script(tmp_path, HELD_BY_A_PACKAGE, "0")
     assert own.returncode == 0, own.stderr
     assert Path(f"{out}.package").read_text() == "finalized"  # Python's teardown collected it
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_thread_running_the_script_s_code_keeps_python_s_own_exit(tmp_path: Path) -> None:
+    own_code = HELD_BY_A_PACKAGE + "\ndef wait_forever():\n    threading.Event().wait()\n"
+    own_code += "\nthreading.Thread(target=wait_forever, daemon=True).start()\n"
+    (tmp_path / "own").mkdir()
+    completed, out = run_script(tmp_path / "own", own_code, "1")
+    assert completed.returncode == 0, completed.stderr
+    assert Path(f"{out}.package").read_text() == "finalized"  # the step was skipped: Python tore json down
+    library_code = HELD_BY_A_PACKAGE + "\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+    (tmp_path / "library").mkdir()
+    completed, out = run_script(tmp_path / "library", library_code, "1")
+    assert completed.returncode == 0, completed.stderr
+    assert Path(f"{out}.package").read_text() == ""  # a thread in the standard library's code does not skip it
