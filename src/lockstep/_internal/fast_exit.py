@@ -38,6 +38,8 @@ import weakref
 from types import ModuleType
 from typing import Any
 
+from lockstep._internal.switches import switched_on
+
 __all__ = ["ENV_FAST_EXIT", "end_without_last_collections"]
 
 ENV_FAST_EXIT = "LOCKSTEP_FAST_EXIT"
@@ -48,7 +50,7 @@ def end_without_last_collections(script_folder: str) -> bool:
     """Arrange for this process's exit to take the shorter way above (unless ``LOCKSTEP_FAST_EXIT``
     is 0, false or off), ``script_folder`` being where the script's own modules are; whether it
     did. Call it before the script runs: the step runs after every exit handler registered later."""
-    if os.environ.get(ENV_FAST_EXIT, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not switched_on(ENV_FAST_EXIT):
         return False
     atexit.register(_end_shortly, os.path.abspath(script_folder))
     return True

@@ -36,9 +36,10 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
 
     if warm_start.warm_process_pid() is None:  # else `import lockstep` started it for this script already
         warm_start.start_in_background(scan_script(path).modules)
-    end_without_last_collections(os.path.dirname(path))
+    folder = os.path.dirname(path)
+    end_without_last_collections(folder)
     sys.argv = [script, *arguments]
-    sys.path[0] = os.path.dirname(path)
+    sys.path[0] = folder
     try:
         _run_as_main(path)
     except SystemExit as stop:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from lockstep._internal.descriptors import readable_within
+from lockstep._internal.switches import switched_on
 from lockstep._internal.warm.preload import preload_modules
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class WarmStartUnavailable(RuntimeError):
 
 def enabled() -> bool:
     """Whether the setting allows a warm process (``LOCKSTEP_WARM_START``, on unless 0/false/off)."""
-    return os.environ.get(ENV_WARM_START, "1").strip().lower() not in {"0", "false", "off", "no"}
+    return switched_on(ENV_WARM_START)
 
 
 def why_not_here() -> str | None:
