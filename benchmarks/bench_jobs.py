@@ -18,9 +18,12 @@ times it from launch to exit (``subprocess.Popen`` to ``wait()``), 2 CPU workers
 * **startup**: a no-op job: ``jobs/noop_lockstep.py`` (each worker calls ``report()`` once) vs
   ``jobs/noop_torchrun.py`` (each worker joins the gloo group and passes one barrier).
 * Both lockstep jobs import torch (the e2e job also torchvision) before lockstep, as users write
-  scripts (round 3; earlier results imported lockstep first), and each runs two ways: ``python
-  job.py`` and ``lockstep run job.py`` (the launcher, which starts the warm worker process before
-  the script's first line). Each way is judged against the same goals.
+  scripts (round 3; earlier results imported lockstep first), and each runs three ways: ``python
+  job.py``; ``lockstep run job.py`` (the launcher, which starts the warm worker process before
+  the script's first line); and ``python job.py`` with lockstep's start hook installed in this
+  venv (``lockstep start-hook install``: the same early start from a .pth file; installed just
+  before each of that variant's runs and removed just after, so no other run has it). Each way
+  is judged against the same goals.
 * **report**: the same no-op scripts with ``--calls 2000``: rank 0's time per metrics-only
   ``report()`` (lockstep), and per ``dist.barrier()`` (torchrun; not the same operation, shown
   only as the floor of a collective). p50 / p99 over the 2000 calls of each run (after 50 untimed
@@ -69,6 +72,7 @@ removed at the end). Every process a run leaves behind (there should be none) is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -77,6 +81,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +89,11 @@ from jobrunner import JOBS, REPO, RunResult, Variant, job_command, run_job  # no
 from machine import describe_machine, machine_line  # noqa: E402
 from record import (Goal, add_results_args, bootstrap_ci, goals_markdown, paired_ratios,  # noqa: E402
                     ratio_goal, write_result)
+
+from lockstep._internal import start_hook  # noqa: E402
+
+#: The variant run with lockstep's start hook installed in this venv (for its runs only).
+HOOKED = "lockstep_hook"
 
 MIB = 1024 * 1024
 # The goals of issue #14; each is judged by the statistic named in summarize() (see the docstring).
@@ -102,6 +112,7 @@ def variants(ray: bool, one_worker: bool, torchrun: bool = True, launcher: bool 
     found = [Variant("lockstep", "lockstep (python job.py)", "lockstep")]
     if launcher:
         found.append(Variant("lockstep_run", "lockstep run job.py", "lockstep_run"))
+        found.append(Variant(HOOKED, "lockstep (python job.py, start hook installed)", "lockstep"))
     if torchrun:
         found.append(Variant("torchrun", "torchrun + DDP", "torchrun"))
     if ray:
@@ -148,7 +159,8 @@ def measure(section: str, job: str, job_args: dict[str, list[str]], todo: list[V
             else:
                 command, env = job_command(variant, job, job_args[variant.key], work / "runs")
             log = work / "logs" / f"{section}_{variant.key}_{repeat}.log"
-            result = run_job(command, env, log, args.timeout, sample_rss)
+            with start_hook_for(variant):
+                result = run_job(command, env, log, args.timeout, sample_rss)
             runs[variant.key].append(result)
             detail = ""
             if result.peak_rss is not None:
@@ -162,7 +174,21 @@ def measure(section: str, job: str, job_args: dict[str, list[str]], todo: list[V
 
 
 #: How the lockstep job is started: the variant's key, and its name in the goals.
-LOCKSTEP_LAUNCHES = {"lockstep": "lockstep (python job.py)", "lockstep_run": "lockstep run job.py"}
+LOCKSTEP_LAUNCHES = {"lockstep": "lockstep (python job.py)", "lockstep_run": "lockstep run job.py",
+                     HOOKED: "python job.py with the start hook"}
+
+
+@contextlib.contextmanager
+def start_hook_for(variant: Variant) -> Iterator[None]:
+    """The start hook installed in this venv for the runs of the variant ``lockstep_hook`` only."""
+    if variant.key != HOOKED:
+        yield
+        return
+    start_hook.install()
+    try:
+        yield
+    finally:
+        start_hook.remove()
 
 
 def launch_goals(section: str, key: str, how: str, runs: dict[str, list[RunResult]],
@@ -400,6 +426,9 @@ def run_sections(args: argparse.Namespace, ray: bool, work: Path) -> dict[str, d
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if start_hook.hook_state() != "absent":
+        sys.exit(f"lockstep's start hook is installed in this venv ({start_hook.hook_path()}): every variant would run "
+                 "with it; remove it first (lockstep start-hook remove)")
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     info = describe_machine()
     ray = importlib.util.find_spec("ray") is not None and not args.no_ray

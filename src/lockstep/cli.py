@@ -26,6 +26,7 @@ from lockstep._internal.persist.run_check import check_run
 from lockstep._internal.persist.run_status import shown_status
 from lockstep._internal.persist.storage import RECORD_FILE, RunStorage
 from lockstep._internal.run.stragglers import rank_table
+from lockstep._internal.start_hook_command import add_start_hook_command, start_hook_command
 from lockstep.callbacks import numeric_metrics
 from lockstep.config import DEFAULT_STORAGE_PATH
 from lockstep.result import Result
@@ -218,7 +219,7 @@ def _run_label(run: RunStorage, record: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lockstep", description="List, show and plot lockstep runs.")
+    parser = argparse.ArgumentParser(prog="lockstep", description="List, show and plot lockstep runs; run a script.")
     commands = parser.add_subparsers(dest="command", required=True)
     runs = commands.add_parser("runs", help="list the runs in a storage path")
     runs.add_argument("storage", nargs="?", default=DEFAULT_STORAGE_PATH, help=f"default {DEFAULT_STORAGE_PATH}")
@@ -245,6 +246,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run.add_argument("script", help="the Python file to run")
     run.add_argument("arguments", nargs=argparse.REMAINDER, help="the script's own arguments")
+    add_start_hook_command(commands)
     return parser.parse_args(argv)
 
 
@@ -323,25 +325,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lockstep run: {error}", file=sys.stderr)
             return 2
     try:
-        if args.command == "runs":
-            found = find_runs(args.storage)
-            if args.json:
-                for run, record in found:
-                    print(json.dumps({**record, "status": shown_status(record), "path": run.display_path}))
-            else:
-                print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
-        elif args.command == "dashboard":
-            run_dashboard(args)
-        elif args.command == "verify":
-            return verify_run(open_run(args.run, args.storage))
-        elif args.command == "show":
-            print(run_summary(open_run(args.run, args.storage), args.all), end="")
-        else:
-            drawn = plot_runs([open_run(run, args.storage) for run in args.run], args.metric, args.output)
-            print(f"wrote {args.output} ({', '.join(drawn)})")
+        return run_command(args)
     except (OSError, ValueError, ImportError) as error:
         print(f"lockstep {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Every command but ``run``; returns the exit status."""
+    if args.command == "runs":
+        found = find_runs(args.storage)
+        if args.json:
+            for run, record in found:
+                print(json.dumps({**record, "status": shown_status(record), "path": run.display_path}))
+        else:
+            print(runs_table(found) if found else f"no lockstep runs in {args.storage}")
+    elif args.command == "dashboard":
+        run_dashboard(args)
+    elif args.command == "start-hook":
+        return start_hook_command(args.action)
+    elif args.command == "verify":
+        return verify_run(open_run(args.run, args.storage))
+    elif args.command == "show":
+        print(run_summary(open_run(args.run, args.storage), args.all), end="")
+    else:
+        drawn = plot_runs([open_run(run, args.storage) for run in args.run], args.metric, args.output)
+        print(f"wrote {args.output} ({', '.join(drawn)})")
     return 0
 
 
