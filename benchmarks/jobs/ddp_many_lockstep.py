@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import tempfile
 import time
@@ -36,10 +38,22 @@ else:
     from lockstep.torch import TorchTrainer, prepare_model
 
 
+def cpu_mark() -> list[float]:
+    """[this process's CPU seconds so far (all threads), seconds since it started]."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    stat = Path("/proc/stat").read_text().splitlines()
+    boot = next(float(line.split()[1]) for line in stat if line.startswith("btime"))
+    return [usage.ru_utime + usage.ru_stime, time.time() - boot - int(fields[19]) / os.sysconf("SC_CLK_TCK")]
+
+
 def train_func(config: dict[str, Any]) -> None:
-    """``steps`` DDP steps, each followed by a timed report(); rank 0 writes its report times."""
+    """``steps`` DDP steps, each followed by a timed report(); rank 0 writes its report times.
+    With ``marks_dir``, every rank writes its CPU marks there (benchmarks/ray_cpu_split.py)."""
+    marks = {"train_start": cpu_mark()}
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    marks["model_prepared"] = cpu_mark()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     inputs, targets = torch.randn(32, 256), torch.randint(0, 10, (32,))
     times = []
@@ -53,6 +67,9 @@ def train_func(config: dict[str, Any]) -> None:
         times.append(time.perf_counter() - started)
     if get_context().get_world_rank() == 0:
         Path(config["times_file"]).write_text(json.dumps(times))
+    if config.get("marks_dir"):
+        marks["train_end"] = cpu_mark()
+        Path(config["marks_dir"], f"rank{get_context().get_world_rank()}.json").write_text(json.dumps(marks))
 
 
 def main() -> None:
@@ -62,13 +79,14 @@ def main() -> None:
     parser.add_argument("--storage-path", default="/tmp/bench_many_runs")
     add_ray_flags(parser)
     parser.add_argument("--spread", action="store_true", help="placement_strategy='SPREAD' (Ray)")
+    parser.add_argument("--marks-dir", default=None, help="each rank writes its CPU marks there (rank<N>.json)")
     args = parser.parse_args()
     join_ray_if_asked(args)
     with tempfile.TemporaryDirectory() as folder:
         times_file = Path(folder, "report_s.json")
         trainer = TorchTrainer(
             train_func,
-            train_loop_config={"steps": args.steps, "times_file": str(times_file)},
+            train_loop_config={"steps": args.steps, "times_file": str(times_file), "marks_dir": args.marks_dir},
             scaling_config=ScalingConfig(
                 num_workers=args.num_workers, use_gpu=False, placement_strategy="SPREAD" if args.spread else "PACK"
             ),
