@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,21 @@ def test_status_tells_an_outdated_hook(tmp_path: Path) -> None:
     assert start_hook.hook_state(str(tmp_path)) == "outdated"
     assert start_hook.remove(str(tmp_path)) == tmp_path / start_hook.PTH_NAME
     assert start_hook.remove(str(tmp_path)) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_script_read_from_a_pipe_is_left_to_python(venv: LayeredVenv, tmp_path: Path) -> None:
+    start_hook.install(venv.site_packages)
+    pipe = tmp_path / "piped.py"
+    os.mkfifo(pipe)
+    source = "import sys\nprint('ran', 'lock' 'step' in sys.modules)  # lockstep\n"
+    writer = threading.Thread(target=pipe.write_text, args=(source,), daemon=True)
+    writer.start()
+    try:
+        completed = venv.run(str(pipe))  # the hook must not drain the pipe before Python reads it
+    finally:
+        if writer.is_alive():  # Python never opened it: unblock the writer
+            with open(pipe, "rb"):
+                pass
+        writer.join(10)
+    assert (completed.returncode, completed.stdout) == (0, "ran False\n"), completed.stderr

@@ -28,13 +28,13 @@ __all__ = ["PTH_NAME", "HookState", "hook_path", "hook_state", "install", "pth_t
 PTH_NAME = "lockstep-start-hook.pth"
 
 #: What the ``.pth`` line runs, in a namespace of its own. Imports lockstep (once: Python may
-#: read a venv's site-packages twice) when the main script is a .py file naming lockstep and no
-#: ``lockstep`` of its own lies beside it.
+#: read a venv's site-packages twice) when the main script is a regular .py file (not a pipe,
+#: which the read would drain) naming lockstep and no ``lockstep`` of its own lies beside it.
 _CHECK = """\
 import os, sys
 script = sys.argv[0] if sys.argv else ""
 folder = os.path.dirname(os.path.abspath(script))
-if ("lockstep" not in sys.modules and script.endswith(".py")
+if ("lockstep" not in sys.modules and script.endswith(".py") and os.path.isfile(script)
         and not os.path.exists(os.path.join(folder, "lockstep"))
         and not os.path.exists(os.path.join(folder, "lockstep.py"))):
     try:
