@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -113,6 +114,13 @@ def ray_variables_restored() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def sigint_raises() -> None:
+    """For ``Popen(preexec_fn=...)`` in a test that sends SIGINT: the child starts with SIGINT's
+    default disposition, so its Python turns SIGINT into KeyboardInterrupt, also when the test
+    session runs as a shell's background job (which starts with SIGINT ignored, inherited)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO_ROOT, tagged_processes_after
+from conftest import REPO_ROOT, sigint_raises, tagged_processes_after
 from lockstep._internal.persist.storage import CRASH_TEST_GATE
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -32,7 +32,7 @@ WRITE_OF_THE_SECOND_CHECKPOINT = 3
 
 def start_driver(args: list[str], **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_raises)
 
 
 def run_to_the_end(args: list[str], **env: str) -> dict[str, Any]:
@@ -250,7 +250,11 @@ def test_dataloader_workers_are_gone_after_ctrl_c(tmp_path: Path) -> None:
         time.sleep(0.05)
     pids = loader_pids(marks)
     driver.send_signal(signal.SIGINT)
-    _, stderr = driver.communicate(timeout=30)
+    try:
+        _, stderr = driver.communicate(timeout=30)
+    finally:
+        driver.kill()
+        driver.wait()
     assert driver.returncode != 0 and "KeyboardInterrupt" in stderr
     assert_gone_soon(pids, time.monotonic())
     assert json.loads((run / "lockstep_run.json").read_text())["status"] == "interrupted"

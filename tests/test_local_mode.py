@@ -322,10 +322,12 @@ TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
 
 
 def test_sigint_interrupts_the_train_function_and_fit_raises_keyboard_interrupt(tmp_path: Path) -> None:
+    from conftest import sigint_raises
+
     script = tmp_path / "sigint.py"
     script.write_text(INTERRUPTED_SCRIPT)
     process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=sigint_raises)
     try:
         assert process.stdout.readline().strip() == "READY"
         process.send_signal(signal.SIGINT)

@@ -98,18 +98,22 @@ def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> N
     import signal
     import time
 
-    from conftest import tagged_processes_after
+    from conftest import sigint_raises, tagged_processes_after
 
     run = tmp_path / "results" / "forever"
     driver = subprocess.Popen([sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")],
-                              stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90
-    while not (run / "reports.jsonl").exists() or not (run / "reports.jsonl").read_text().endswith("\n"):
-        assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
-        time.sleep(0.05)
-    interrupted_at = time.monotonic()
-    driver.send_signal(signal.SIGINT)
-    _, stderr = driver.communicate(timeout=30)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=sigint_raises)
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "reports.jsonl").exists() or not (run / "reports.jsonl").read_text().endswith("\n"):
+            assert driver.poll() is None and time.monotonic() < deadline, "the run never reported"
+            time.sleep(0.05)
+        interrupted_at = time.monotonic()
+        driver.send_signal(signal.SIGINT)
+        _, stderr = driver.communicate(timeout=30)
+    finally:
+        driver.kill()
+        driver.wait()
     assert driver.returncode != 0
     assert "KeyboardInterrupt" in stderr
     assert tagged_processes_after(interrupted_at + 5) == [], "workers still running 5 s after Ctrl-C"

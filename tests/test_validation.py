@@ -360,8 +360,11 @@ def test_user_callback_hears_of_a_failed_rank(storage_path: str, tmp_path: Path)
 
 
 def start_driver(storage_path: str, marks: Path) -> subprocess.Popen[bytes]:
+    from conftest import sigint_raises
+
     return subprocess.Popen([sys.executable, str(SCRIPT), storage_path, str(marks)], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=sigint_raises)
 
 
 def gone(pid: int) -> bool:
