@@ -9,10 +9,12 @@ import os
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import threading
 from pathlib import Path
 
 import pytest
+import test_fast_exit
 
 from lockstep._internal import start_hook
 
@@ -133,3 +135,40 @@ def test_a_script_read_from_a_pipe_is_left_to_python(venv: LayeredVenv, tmp_path
                 pass
         writer.join(10)
     assert (completed.returncode, completed.stdout) == (0, "ran False\n"), completed.stderr
+
+
+
+def run_hooked(venv: LayeredVenv, tmp_path: Path, text: str, fast_exit: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run ``text`` (one of test_fast_exit's scripts) as ``python job.py OUT`` with the hook installed."""
+    start_hook.install(venv.site_packages)
+    script = tmp_path / "job.py"
+    script.write_text("# started with lockstep's start hook\n" + textwrap.dedent(text))
+    out = tmp_path / f"out_{fast_exit}"
+    completed = venv.run(str(script), str(out), LOCKSTEP_WARM_START="0", LOCKSTEP_FAST_EXIT=fast_exit)
+    assert "Exception ignored" not in completed.stderr, completed.stderr
+    return completed, out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("fast_exit", "ending"), [("1", "exit"), ("1", "raise"), ("0", "exit")])
+def test_a_hooked_script_ends_as_under_python_s_own_exit(venv: LayeredVenv, tmp_path: Path, fast_exit: str,
+                                                         ending: str) -> None:
+    text = test_fast_exit.SCRIPT if ending == "exit" else test_fast_exit.SCRIPT.replace("sys.exit(3)", "raise OSError(5)")
+    completed, out = run_hooked(venv, tmp_path, text, fast_exit)
+    assert completed.returncode == (3 if ending == "exit" else 1), completed.stderr
+    assert ending == "exit" or completed.stderr.rstrip().endswith("OSError: 5"), completed.stderr
+    assert completed.stdout == "exit handler ran\n"
+    assert Path(f"{out}.thread").read_text() == "thread done\n"
+    assert out.read_text() == "written, never closed\n"
+    assert Path(f"{out}.cycle").read_text() == "finalized"
+    assert Path(f"{out}.plain").read_text() == "finalized"  # also when a traceback held the script's frames
+
+
+@pytest.mark.timeout(120)
+def test_a_hooked_script_gets_lockstep_run_s_exit(venv: LayeredVenv, tmp_path: Path) -> None:
+    fast, out = run_hooked(venv, tmp_path, test_fast_exit.HELD_BY_A_PACKAGE, "1")
+    assert fast.returncode == 0, fast.stderr
+    assert Path(f"{out}.package").read_text() == ""  # frozen, not torn down: the fast exit ran
+    own, out = run_hooked(venv, tmp_path, test_fast_exit.HELD_BY_A_PACKAGE, "0")
+    assert own.returncode == 0, own.stderr
+    assert Path(f"{out}.package").read_text() == "finalized"

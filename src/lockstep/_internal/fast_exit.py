@@ -61,6 +61,9 @@ def _end_shortly(script_folder: str) -> None:
     if _runs_in_a_thread(names):
         return
     _flush_open_files()
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):  # a traceback holds the script's frames
+        if hasattr(sys, name):
+            setattr(sys, name, None)
     probes = []
     for name in names:
         probes.append(weakref.ref(_Probe(vars(sys.modules.pop(name)))))

@@ -6,7 +6,8 @@ beside it (``lockstep run train.py`` has no such gap; see docs/cli.md). The hook
 file in this Python's site-packages (``lockstep start-hook install``; ``remove`` takes it away).
 Python runs its line at every interpreter start, before the main script; the line imports lockstep
 only when the script is a ``.py`` file whose text names lockstep, and ``import lockstep`` then
-runs its usual check (:mod:`lockstep._internal.early_warm`). Any other start pays a read of the
+runs its usual check (:mod:`lockstep._internal.early_warm`); such a script also ends as under
+``lockstep run`` (``LOCKSTEP_FAST_EXIT=0`` keeps Python's own exit). Any other start pays a read of the
 script's first MiB (``python -c``, ``-m``, the REPL and console commands: not even that).
 
 The line cannot import lockstep to decide whether to import lockstep, so its check is plain
@@ -29,7 +30,9 @@ PTH_NAME = "lockstep-start-hook.pth"
 
 #: What the ``.pth`` line runs, in a namespace of its own. Imports lockstep (once: Python may
 #: read a venv's site-packages twice) when the main script is a regular .py file (not a pipe,
-#: which the read would drain) naming lockstep and no ``lockstep`` of its own lies beside it.
+#: which the read would drain) naming lockstep and no ``lockstep`` of its own lies beside it,
+#: and gives the script ``lockstep run``'s exit (:mod:`lockstep._internal.fast_exit`; its exit
+#: step registered first, so it runs after every exit handler of the script).
 _CHECK = """\
 import os, sys
 script = sys.argv[0] if sys.argv else ""
@@ -45,6 +48,8 @@ if ("lockstep" not in sys.modules and script.endswith(".py") and os.path.isfile(
     if named:
         try:
             import lockstep
+            from lockstep._internal.fast_exit import end_without_last_collections
+            end_without_last_collections(folder)
         except Exception:
             pass
 """
