@@ -96,6 +96,8 @@ def group_of(command: str, driver_pid: int, pid: int) -> str:
         return "driver"
     if "default_worker.py" in command:
         return "ray workers"
+    if "lockstep._internal.warm.zygote" in command:  # a node's warm process, and the ranks it forked
+        return "warm processes and forked ranks"
     if any(name in command for name in RAY_SYSTEM) or "/ray/" in command:
         return "ray system"
     return "other"

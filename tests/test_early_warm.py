@@ -104,7 +104,7 @@ def test_a_warm_process_made_unsafe_by_a_guess_refuses_the_first_request() -> No
     try:
         zygote = Zygote(theirs, unsafe="after importing 'threaded' (imported by the script), 2 threads are running")
         ours.send(json.dumps({"op": "prepare", "sys_path": sys.path, "modules": []}).encode())
-        assert zygote._answer() is False
+        assert zygote._answer(theirs) is False
         reply = json.loads(ours.recv(1 << 16))
         assert reply["ok"] is False and "threaded" in reply["error"] and "can't fork safely" in reply["error"]
     finally:

@@ -34,6 +34,8 @@ from validation_fns import validate_in_ray_task
 from conftest import REPO_ROOT, untagged
 
 ray = pytest.importorskip("ray")
+from ray import remote  # noqa: E402 - a Ray function under another name (test_a_train_function_that_names_ray...)
+from ray.util import ActorPool  # noqa: E402
 
 NODE_CPUS = 2
 RESOURCE_RELEASE_WAIT_S = 30
@@ -112,6 +114,17 @@ def resources_released(cluster: Any) -> Iterator[None]:
 ray_test = pytest.mark.usefixtures("resources_released")
 
 
+@pytest.fixture(params=["in actors", "forked"])
+def rank_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test twice: ranks in their Ray actors, and forked by a warm process per node
+    (``LOCKSTEP_RAY_FORK=1``)."""
+    monkeypatch.setenv("LOCKSTEP_RAY_FORK", "1" if request.param == "forked" else "0")
+    return str(request.param)
+
+
+both_ways = pytest.mark.usefixtures("rank_processes")
+
+
 # -- train functions ----------------------------------------------------------------------------
 
 
@@ -168,6 +181,7 @@ def fail_on_rank_1() -> None:
 
 
 @ray_test
+@both_ways
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
     with pytest.raises(TrainingFailedError) as failure:
@@ -179,6 +193,7 @@ def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
 
 
 @ray_test
+@both_ways
 @pytest.mark.timeout(120)
 def test_a_hung_rank_is_named_with_where_every_rank_is(storage_path: str, tmp_path: Path) -> None:
     from test_hangs import train_steps
@@ -290,6 +305,7 @@ def print_from_every_rank() -> None:
 
 
 @ray_test
+@both_ways
 @pytest.mark.timeout(120)
 def test_worker_output_reaches_the_console_and_per_rank_logs(storage_path: str, capfd: pytest.CaptureFixture[str]) -> None:
     run = RunConfig(name="printing", storage_path=storage_path)
@@ -686,7 +702,9 @@ def wait_gone(pids: set[int], timeout_s: float = 20) -> set[int]:
 
 @ray_test
 @pytest.mark.timeout(150)
-def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(storage_path: str) -> None:
+def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(storage_path: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCKSTEP_RAY_FORK", "0")  # the ranks run in the actors' own processes
     first = fit_on_ray(leave_leftovers, storage_path, num_workers=2).metrics["ranks"]
     assert POOL.kept is not None and len(POOL.kept.actors) == 2
     second = fit_on_ray(leave_leftovers, storage_path, num_workers=2).metrics["ranks"]
@@ -727,7 +745,8 @@ def report_pids_until_stopped() -> None:
 
 @ray_test
 @pytest.mark.timeout(150)
-def test_the_actors_of_a_run_stopped_early_are_reused(storage_path: str) -> None:
+def test_the_actors_of_a_run_stopped_early_are_reused(storage_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCKSTEP_RAY_FORK", "0")  # the ranks run in the actors' own processes
     run = RunConfig(storage_path=storage_path, stop={"training_iteration": 2})
     stopped = TorchTrainer(report_pids_until_stopped, scaling_config=ScalingConfig(num_workers=2), run_config=run).fit()
     assert stopped.metrics["step"] == 1
@@ -754,7 +773,73 @@ def test_warm_start_off_starts_new_actors_for_every_fit(storage_path: str, monke
     assert not first & second
 
 
+def report_process_tree() -> None:
+    """Rank 0 reports every rank's pid, node and parent process."""
+    import torch.distributed as dist
+
+    parent = os.getppid()
+    mine = {"pid": os.getpid(), "node": os.environ["LOCKSTEP_TEST_NODE"], "parent": parent,
+            "parent_command": Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()}
+    everyone: list[Any] = [None] * lockstep.get_context().get_world_size()
+    dist.all_gather_object(everyone, mine)
+    lockstep.report({"ranks": everyone})
+
+
+@ray_test
+@pytest.mark.timeout(150)
+def test_forked_ranks_are_children_of_one_warm_process_per_node(storage_path: str) -> None:
+    first = fit_on_ray(report_process_tree, storage_path, num_workers=4, placement_strategy="SPREAD").metrics["ranks"]
+    parents = {rank["node"]: rank["parent"] for rank in first}
+    assert sorted(parents) == ["0", "1"]
+    for rank in first:
+        assert rank["parent"] == parents[rank["node"]], f"two warm processes on node {rank['node']}"
+        assert "-m lockstep._internal.warm.zygote " in rank["parent_command"]
+    assert POOL.kept is not None and len(POOL.kept.actors) == 4
+    second = fit_on_ray(report_process_tree, storage_path, num_workers=4, placement_strategy="SPREAD").metrics["ranks"]
+    assert {rank["parent"] for rank in second} == set(parents.values()), "the kept actors' warm processes were not reused"
+    assert not {rank["pid"] for rank in first} & {rank["pid"] for rank in second}, "a rank process outlived its fit"
+    release_kept_actors()
+    everything = {rank["pid"] for rank in first + second} | set(parents.values())
+    assert not wait_gone(everything), "released actors left their warm processes or ranks running"
+
+
+@ray_test
+@pytest.mark.timeout(120)
+def test_ranks_given_ray_datasets_run_in_their_actors(storage_path: str) -> None:
+    trainer = TorchTrainer(report_process_tree, scaling_config=ScalingConfig(num_workers=2),
+                           datasets={"train": ray.data.range(8)}, run_config=RunConfig(storage_path=storage_path))
+    ranks = trainer.fit().metrics["ranks"]
+    assert not any("lockstep._internal.warm.zygote" in rank["parent_command"] for rank in ranks)
+
+
 # -- without a cluster --------------------------------------------------------------------------
+
+
+def calls_ray_inside() -> None:
+    import ray as imported_here
+
+    imported_here.get_runtime_context()
+
+
+def asks_a_helper() -> None:
+    lockstep.report({"node": node_of_this_rank()})
+
+
+def node_of_this_rank() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def test_a_train_function_that_names_ray_keeps_its_ranks_in_their_actors() -> None:
+    from lockstep._internal.executors.ray_forking import names_ray
+
+    assert names_ray(print_from_every_rank, {"steps": 3}) is None
+    assert names_ray(report_process_tree, None) is None  # lockstep's and torch's names: forked
+    assert "report_placement names 'ray'" in str(names_ray(report_placement, None))
+    assert "calls_ray_inside names 'ray'" in str(names_ray(calls_ray_inside, None))
+    assert "node_of_this_rank names 'ray'" in str(names_ray(asks_a_helper, None))  # a helper it calls
+    assert "names 'remote'" in str(names_ray(lambda: remote(), None))  # a name bound to Ray's function
+    assert "train_loop_config['pool']" in str(names_ray(print_from_every_rank, {"pool": [ActorPool]}))
+
 
 
 def place(node: str, *gpus: str) -> WorkerPlace:

@@ -29,6 +29,7 @@ from lockstep._internal.payload import TrainJob, payload_in_memory, serialize_pa
 from lockstep._internal.rank.devices import usable_gpu_ids
 from lockstep._internal.rank.python_path import worker_pythonpath
 from lockstep._internal.rank.rank_env import RankEnv, threads_for
+from lockstep._internal.rank.whereabouts import dump_without_plumbing
 from lockstep._internal.rank.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
 from lockstep._internal.run.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.warm import warm_start
@@ -226,7 +227,7 @@ class LocalWorkerGroup(ChannelGroup):
                 if text and text == seen.get(rank):
                     complete[rank] = text
                 seen[rank] = text
-        return {rank: _without_plumbing(text) for rank, text in {**seen, **complete}.items() if text}
+        return {rank: dump_without_plumbing(text) for rank, text in {**seen, **complete}.items() if text}
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -246,22 +247,6 @@ class LocalWorkerGroup(ChannelGroup):
             self._payload_fd = None
         shutil.rmtree(self._stack_dir, ignore_errors=True)
         self._store = None
-
-
-PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connection.py")
-
-
-def _without_plumbing(stack: str) -> str:
-    """A faulthandler dump without the frames of lockstep's worker runtime and socket reads, and
-    without the threads that have no other frames than those and ``threading.py``'s (lockstep's
-    own threads, idle)."""
-    blocks = []
-    for block in stack.split("\n\n"):
-        lines = [line for line in block.splitlines() if not any(part in line for part in PLUMBING)]
-        frames = [line for line in lines if line.lstrip().startswith("File ")]
-        if any("/threading.py" not in line for line in frames) or "File " not in block:
-            blocks.append("\n".join(lines))
-    return "\n\n".join(block for block in blocks if block)
 
 
 def _read_if_any(path: str) -> str:

@@ -24,6 +24,7 @@ from lockstep._internal.executors.base import Executor
 from lockstep._internal.executors.channels import ChannelGroup
 from lockstep._internal.executors.ray_connect import split_datasets
 from lockstep._internal.executors.ray_drain import DrainWatcher
+from lockstep._internal.executors.ray_forking import forks_ranks, names_ray, start_forkers
 from lockstep._internal.executors.ray_placement import (
     RankPlace,
     assign_ranks,
@@ -91,6 +92,7 @@ class RayExecutor(Executor):
         """Serialize the job once, then let the driver run attempts; keep the last attempt's
         actors for the next fit when the run ends with a Result and they ended cleanly."""
         payload = serialize_payload(job)
+        job_names_ray = names_ray(job.train_fn, job.train_loop_config)
         spec = replace(self.spec, log_dir=driver.log_dir, console=driver.console)
         parked: list[KeptGroup] | None = [] if reuse_enabled() else None
         if parked is None:
@@ -104,6 +106,7 @@ class RayExecutor(Executor):
             return RayWorkerGroup(
                 spec=replace(spec, num_workers=size),
                 payload=payload,
+                job_names_ray=job_names_ray,
                 datasets=self.datasets,
                 should_split=self.should_split,
                 parked=parked,
@@ -134,7 +137,9 @@ class RayWorkerGroup(ChannelGroup):
     """``num_workers`` Ray actors in one placement group, each running the serialized job
     ``payload``. With ``parked`` (a list), the group first asks the pool for kept actors of its
     shape, and ``stop`` appends its actors there instead of killing them when every rank ended
-    cleanly (the executor then keeps or releases them)."""
+    cleanly (the executor then keeps or releases them). The ranks are forked on their nodes
+    unless the job names Ray (``job_names_ray`` says where) or another rule of
+    :func:`~lockstep._internal.executors.ray_forking.forks_ranks` keeps them in their actors."""
 
     def __init__(
         self,
@@ -143,6 +148,7 @@ class RayWorkerGroup(ChannelGroup):
         datasets: Mapping[str, Any] | None = None,
         should_split: Callable[[str], bool] = lambda name: True,
         parked: list[KeptGroup] | None = None,
+        job_names_ray: str | None = None,
     ) -> None:
         import ray
 
@@ -151,6 +157,7 @@ class RayWorkerGroup(ChannelGroup):
         self.payload = payload
         self.datasets = dict(datasets or {})
         self.should_split = should_split
+        self.job_names_ray = job_names_ray
         self._placement_group: Any = None
         self._actors: list[Any] = []
         self._places: list[RankPlace] = []
@@ -225,6 +232,11 @@ class RayWorkerGroup(ChannelGroup):
     def _run_all(self, payload_ref: Any) -> None:
         (master_port,) = self._get([self._actors[0].free_port.remote()], "answer")
         shards = split_datasets(self.datasets, self.spec.num_workers, self.should_split)
+        forkers = (
+            start_forkers(self._places, self._actors, self.payload, self._get)
+            if forks_ranks(self.spec, shards, self.job_names_ray)
+            else {}
+        )
         runs = {}
         for rank, actor in zip(self._places, self._actors, strict=True):
             env = rank_env(
@@ -235,7 +247,10 @@ class RayWorkerGroup(ChannelGroup):
                 use_gpu=self.spec.use_gpu,
             ).variables()
             env.update(self._channels.worker_env(rank.world_rank))
-            runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path())] = rank.world_rank
+            forker = forkers.get(rank.place.node_id)
+            runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path(), forker)] = (
+                rank.world_rank
+            )
         self._watcher = threading.Thread(target=self._watch, args=(runs,), daemon=True, name="lockstep-ray-watch")
         self._watcher.start()
 

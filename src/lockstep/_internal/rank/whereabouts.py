@@ -10,14 +10,22 @@ is on (:func:`default_flight_recorder`), unless the environment sets it already 
 from __future__ import annotations
 
 import json
+import linecache
 import os
+import re
 import sys
 import sysconfig
 import threading
 import traceback
 from typing import Any
 
-__all__ = ["collective_in_flight", "default_flight_recorder", "python_stacks"]
+__all__ = [
+    "collective_in_flight",
+    "default_flight_recorder",
+    "dump_without_plumbing",
+    "python_stacks",
+    "with_source_lines",
+]
 
 FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 #: The flight recorder's entries per process when lockstep turns it on.
@@ -31,6 +39,38 @@ PLUMBING = (
     "in _bootstrap",
 )
 _LIBRARY_PATHS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], "site-packages"})
+
+#: The same, as they show in a faulthandler dump of a rank asked from outside (SIGUSR1).
+DUMP_PLUMBING = ("/lockstep/_internal/", "<frozen runpy>", "/multiprocessing/connection.py")
+
+
+def dump_without_plumbing(stack: str) -> str:
+    """A faulthandler dump without the frames of lockstep's worker runtime and socket reads, and
+    without the threads that have no other frames than those and ``threading.py``'s (lockstep's
+    own threads, idle)."""
+    blocks = []
+    for block in stack.split("\n\n"):
+        lines = [line for line in block.splitlines() if not any(part in line for part in DUMP_PLUMBING)]
+        frames = [line for line in lines if line.lstrip().startswith("File ")]
+        if any("/threading.py" not in line for line in frames) or "File " not in block:
+            blocks.append("\n".join(lines))
+    return "\n\n".join(block for block in blocks if block)
+
+
+def with_source_lines(dump: str) -> str:
+    """A faulthandler dump with each frame's source line below it, as a traceback shows it
+    (read from the file where the dump is read: the same node)."""
+    lines = []
+    for line in dump.splitlines():
+        lines.append(line)
+        frame = _DUMP_FRAME.match(line)
+        source = linecache.getline(frame["file"], int(frame["line"])).strip() if frame else ""
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)
+
+
+_DUMP_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in ')
 
 
 def default_flight_recorder() -> None:

@@ -8,6 +8,7 @@ with the driver: if the driver is killed, the kernel kills this process too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import inspect
@@ -67,6 +68,7 @@ def main(forked_by: int | None = None) -> None:
     from (see :mod:`lockstep._internal.warm.zygote`), None when the driver started it."""
     die_with_parent(forked_by)
     answer_stack_requests()
+    from lockstep._internal.rank.forwarded_output import ENV_FORWARD_OUTPUT, ForwardedOutput
     from lockstep._internal.run.preemption import rank_signals
     from lockstep._internal.wire.channel import connect_to_driver
     from lockstep._internal.wire.link_watch import DriverWatch
@@ -74,7 +76,10 @@ def main(forked_by: int | None = None) -> None:
     rank_env = RankEnv.from_environ()
     channel = connect_to_driver(rank_env.world_rank)
     watch = DriverWatch(channel.fileno(), rank_env.world_rank, os.environ[ENV_DRIVER_ADDRESS])
-    with rank_signals(channel, rank_env.world_rank), watch:  # SIGTERM: a preemption notice, not the end
+    output: Any = contextlib.nullcontext()
+    if os.environ.get(ENV_FORWARD_OUTPUT) == "1":  # forked on a Ray node: the driver can't read our pipes
+        output = ForwardedOutput(channel, rank_env.world_rank)
+    with rank_signals(channel, rank_env.world_rank), watch, output:  # SIGTERM: a preemption notice, not the end
         outcome, exit_code = run_to_outcome(
             rank_env, channel, lambda: _job_from(_read_payload(int(os.environ[ENV_PAYLOAD_FD])))
         )

@@ -4,11 +4,13 @@ The actor speaks to the driver over the same channel as a local worker process (
 :mod:`lockstep._internal.wire.protocol`); Ray only places it, starts it, and tells the driver when
 it ends. It runs its methods on two threads, so that the driver can ask where the train
 function is (``stack``) while it runs.
+
+With ``forker`` (see :mod:`lockstep._internal.ray_compat.ray_fork`), ``run`` has the node's warm
+process fork the rank and waits for it instead: the train function then runs in that child.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import socket
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep._internal.payload import deserialize_payload
+from lockstep._internal.rank.forwarded_output import ForwardedOutput
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.rank.worker import run_to_outcome
-from lockstep._internal.wire import protocol
-from lockstep._internal.wire.channel import WorkerChannel, connect_to_driver
+from lockstep._internal.ray_compat.ray_fork import ForkedRank, NodeForker
+from lockstep._internal.wire.channel import connect_to_driver
 from lockstep._internal.wire.link_watch import DriverWatch
 
 #: Frames of these files are the actor's plumbing, not the user's code.
@@ -45,6 +48,15 @@ class RayWorker:
     def __init__(self) -> None:
         self._train_thread: int | None = None
         self._clean = True
+        self._forker: NodeForker | None = None  # this node's warm process, when this actor started it
+        self._forked: ForkedRank | None = None  # the rank's process, while a forked run lasts
+
+    def start_forker(self, modules: list[str]) -> str:
+        """Start this node's warm process (once: a kept actor's still runs), importing
+        ``modules`` besides torch; the name of its socket, for the node's ranks' ``run``."""
+        if self._forker is None or not self._forker.alive():
+            self._forker = NodeForker(modules)
+        return self._forker.name
 
     def place(self) -> WorkerPlace:
         """Where this actor runs."""
@@ -60,7 +72,14 @@ class RayWorker:
             probe.bind(("", 0))
             return int(probe.getsockname()[1])
 
-    def run(self, payload: bytes, env: dict[str, str], datasets: dict[str, Any], python_path: list[str]) -> int:
+    def run(
+        self,
+        payload: bytes,
+        env: dict[str, str],
+        datasets: dict[str, Any],
+        python_path: list[str],
+        forker: str | None = None,
+    ) -> int:
         """Run this rank to its end; return its exit code (0 when the train function returned).
         Afterwards the process is as the run found it (environment, import path, no process
         group, no session), so the driver may keep the actor for its next fit.
@@ -70,7 +89,10 @@ class RayWorker:
             env: This rank's environment (rank variables, rendezvous, driver address, GPUs).
             datasets: This rank's shards of the Ray datasets.
             python_path: The driver's own import path entries; those that exist here are added.
+            forker: The socket of the node's warm process: the rank runs in a process it forks.
         """
+        if forker is not None:
+            return self._run_forked(forker, payload, env, python_path)
         saved = RunLeftovers()
         self._clean = False
         try:
@@ -94,6 +116,14 @@ class RayWorker:
             self._train_thread = None
         return exit_code
 
+    def _run_forked(self, forker: str, payload: bytes, env: dict[str, str], python_path: list[str]) -> int:
+        path_first = [entry for entry in python_path if os.path.isdir(entry)]
+        self._forked = ForkedRank(forker, payload, {**os.environ, **env}, path_first)
+        try:
+            return self._forked.wait()
+        finally:
+            self._forked = None
+
     def ready(self) -> WorkerPlace:
         """Where this actor runs, once its last run left it clean (else a RuntimeError): the
         driver asks before it reuses the actor."""
@@ -103,6 +133,9 @@ class RayWorker:
 
     def stack(self) -> str:
         """The train function's current Python stack (most recent call last)."""
+        forked = self._forked
+        if forked is not None:
+            return forked.stack()
         frame = sys._current_frames().get(self._train_thread) if self._train_thread is not None else None
         if frame is None:
             return ""
@@ -139,60 +172,3 @@ class RunLeftovers:
                 clean = False
         gc.collect()
         return clean
-
-
-class ForwardedOutput:
-    """While active, what this process writes to its stdout and stderr (Python's and C's alike)
-    goes to the driver as :class:`~lockstep._internal.wire.protocol.Output` messages instead of to
-    Ray's log files, so the driver treats it as it treats a local worker's output."""
-
-    def __init__(self, channel: WorkerChannel, rank: int) -> None:
-        self.channel = channel
-        self.rank = rank
-        self._saved: dict[int, int] = {}
-        self._readers: list[threading.Thread] = []
-
-    def __enter__(self) -> ForwardedOutput:
-        _flush_python_streams()
-        for stream in (sys.stdout, sys.stderr):
-            if hasattr(stream, "reconfigure"):
-                stream.reconfigure(line_buffering=True)
-        for fd in (1, 2):
-            read_end, write_end = os.pipe()
-            self._saved[fd] = os.dup(fd)
-            os.dup2(write_end, fd)
-            os.close(write_end)
-            reader = threading.Thread(
-                target=self._forward, args=(read_end, fd == 2), daemon=True, name=f"lockstep-forward-fd{fd}"
-            )
-            reader.start()
-            self._readers.append(reader)
-        return self
-
-    def _forward(self, read_end: int, is_stderr: bool) -> None:
-        try:
-            while chunk := os.read(read_end, 65536):
-                self.channel.send(protocol.Output(self.rank, is_stderr, chunk))
-        except OSError:
-            pass  # the driver is gone; nothing left to tell it
-        finally:
-            os.close(read_end)
-
-    def __exit__(self, *exc_info: object) -> None:
-        """Put the streams back; wait (briefly: data-loader processes may still hold them) until
-        everything written has been sent."""
-        _flush_python_streams()
-        for fd, saved in self._saved.items():
-            os.dup2(saved, fd)
-            os.close(saved)
-        for reader in self._readers:
-            reader.join(OUTPUT_DRAIN_S)
-
-
-OUTPUT_DRAIN_S = 5.0
-
-
-def _flush_python_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()

@@ -1,4 +1,4 @@
-"""The warm process: ``python -m lockstep._internal.warm.zygote CONTROL_FD DRIVER_PID [GUESSED]``.
+"""The warm process: ``python -m lockstep._internal.warm.zygote CONTROL_FD DRIVER_PID [GUESSED [LISTEN_FD]]``.
 
 A fresh interpreter (never a fork of the user's driver) that imports torch and lockstep's worker
 runtime, then the installed modules of ``GUESSED`` (a JSON list: what the driver's script imports,
@@ -17,12 +17,19 @@ Messages are JSON, one per SOCK_SEQPACKET datagram, descriptors attached with SC
 - unprompted, when a child ends: ``{"exited": pid, "code": returncode}`` (as Popen reports it)
 - any refusal: ``{"ok": false, "error": "..."}``; after one the process exits.
 
+With ``LISTEN_FD`` (a listening Unix socket, SOCK_SEQPACKET: on a Ray node, see
+:mod:`lockstep._internal.ray_compat.ray_fork`) it also serves every connection made to that socket
+as it serves the driver's: fork requests, each answered on its own connection, with the child's
+exit told there too. A connection's children are killed when it closes (the rank's Ray actor
+is gone); the guessed imports are all made before the first connection is served.
+
 Forking is refused when this process is no longer safe to fork: a thread running (a preloaded
 module started one, guessed or asked for), or CUDA initialised or its driver library loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import importlib.util
@@ -117,42 +124,57 @@ def unsafe_to_fork() -> str | None:
 
 
 class Zygote:
-    """Serves the driver's requests on ``control`` until the driver closes it."""
+    """Serves the driver's requests on ``control`` until the driver closes it, and those of
+    the connections made to ``listener`` (if any)."""
 
-    def __init__(self, control: socket.socket, unsafe: str | None = None) -> None:
+    def __init__(
+        self, control: socket.socket, unsafe: str | None = None, listener: socket.socket | None = None
+    ) -> None:
         self.control = control
         self.unsafe = unsafe  # why forking is unsafe since the guessed imports, refused at once
-        self.children: dict[int, int] = {}  # pidfd -> pid
+        self.listener = listener
+        self.clients: set[socket.socket] = set()
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the connection that asked)
         self.base_path = _base_path()
 
     def serve(self) -> None:
-        """Answer requests and report children's exits, until end of stream."""
+        """Answer requests and report children's exits, until the driver's end of stream."""
         while True:
             for handle in self._ready():
-                if handle is self.control:
-                    if not self._answer():
-                        return
+                if handle is self.listener:
+                    self.clients.add(self.listener.accept()[0])
+                elif isinstance(handle, socket.socket):
+                    if not self._answer(handle):
+                        if handle is self.control:
+                            return
+                        self._drop(handle)
                 else:
                     self._reap(handle)
 
     def _ready(self) -> list[Any]:
-        """The control socket and the children's pidfds that are readable (waits for one).
-        ``poll``, not ``select``: a pidfd may be numbered past 1024."""
-        watched: dict[int, Any] = {self.control.fileno(): self.control, **{pidfd: pidfd for pidfd in self.children}}
+        """The sockets and the children's pidfds that are readable (waits for one). ``poll``,
+        not ``select``: a pidfd may be numbered past 1024."""
+        sockets = [self.control, *([self.listener] if self.listener is not None else []), *self.clients]
+        watched: dict[int, Any] = {each.fileno(): each for each in sockets}
+        watched.update({pidfd: pidfd for pidfd in self.children})
         poller = select.poll()
         for descriptor in watched:
             poller.register(descriptor, select.POLLIN)
         return [watched[descriptor] for descriptor, _ in poller.poll()]
 
-    def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    def _send(self, to: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
         if fds:
-            socket.send_fds(self.control, [data], fds)
+            socket.send_fds(to, [data], fds)
         else:
-            self.control.send(data)
+            to.send(data)
 
-    def _answer(self) -> bool:
-        data, fds, _, _ = socket.recv_fds(self.control, MAX_MESSAGE, MAX_FDS)
+    def _answer(self, asker: socket.socket) -> bool:
+        """Answer one request from ``asker``; False at its end of stream or after a refusal."""
+        try:
+            data, fds, _, _ = socket.recv_fds(asker, MAX_MESSAGE, MAX_FDS)
+        except OSError:  # a connection reset: its end
+            return False
         if not data:
             return False
         request = json.loads(data)
@@ -160,18 +182,28 @@ class Zygote:
             if self.unsafe is not None:
                 raise RuntimeError(f"the warm process can't fork safely: {self.unsafe}")
             if request["op"] == "prepare":
-                self._send({"ok": True, "skipped": self._prepare(request["sys_path"], request["modules"])})
+                self._send(asker, {"ok": True, "skipped": self._prepare(request["sys_path"], request["modules"])})
             elif request["op"] == "fork":
-                self._fork(request, fds)
+                self._fork(asker, request, fds)
             else:
                 raise ValueError(f"unknown request {request['op']!r}")
-        except Exception as error:  # noqa: BLE001 - any failure is told to the driver, then we stop
-            self._send({"ok": False, "error": f"{type(error).__name__}: {error}"})
+        except Exception as error:  # noqa: BLE001 - any failure is told to the asker, then we stop
+            with contextlib.suppress(OSError):
+                self._send(asker, {"ok": False, "error": f"{type(error).__name__}: {error}"})
             return False
         finally:
             for handle in fds:
                 os.close(handle)
         return True
+
+    def _drop(self, client: socket.socket) -> None:
+        """A connection ended: kill the children it asked for (they are reaped as usual)."""
+        self.clients.discard(client)
+        client.close()
+        for pid, asker in self.children.values():
+            if asker is client:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def _prepare(self, sys_path: list[str], modules: list[str]) -> list[str]:
         """Import ``modules`` with the driver's import path; return those that failed."""
@@ -188,7 +220,7 @@ class Zygote:
                 raise RuntimeError(f"after importing {name!r}, {reason}")
         return skipped
 
-    def _fork(self, request: dict[str, Any], fds: list[int]) -> None:
+    def _fork(self, asker: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
         if len(fds) != 3:
             raise ValueError(f"a fork request needs 3 descriptors, got {len(fds)}")
         reason = unsafe_to_fork()
@@ -199,18 +231,22 @@ class Zygote:
         if pid == 0:
             become_worker(request, fds, zygote_pid, self)
         pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = pid
-        self._send({"ok": True, "pid": pid}, [pidfd])
+        self.children[pidfd] = (pid, asker)
+        self._send(asker, {"ok": True, "pid": pid}, [pidfd])
 
     def _reap(self, pidfd: int) -> None:
-        pid = self.children.pop(pidfd)
+        pid, asker = self.children.pop(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        self._send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        with contextlib.suppress(OSError):  # the asker may be gone (a dropped connection)
+            self._send(asker, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def close_in_child(self) -> None:
-        """Let go of the driver's socket and the siblings' handles (in a forked child)."""
-        self.control.close()
+        """Let go of the driver's socket, the listener, the connections and the siblings'
+        handles (in a forked child)."""
+        for each in [self.control, *([self.listener] if self.listener is not None else []), *self.clients]:
+            each.close()
+        self.clients.clear()
         for pidfd in self.children:
             os.close(pidfd)
         self.children.clear()
@@ -223,10 +259,11 @@ def _base_path() -> list[str]:
     return [entry for entry in sys.path[1:] if os.path.abspath(entry) not in from_env]
 
 
-def child_path(env: dict[str, str], cwd: str, base: list[str]) -> list[str]:
-    """The import path ``python -m`` would give a worker started in ``cwd`` with ``env``."""
+def child_path(env: dict[str, str], cwd: str, base: list[str], first: list[str] | None = None) -> list[str]:
+    """The import path ``python -m`` would give a worker started in ``cwd`` with ``env``, after
+    the entries ``first`` (the driver's own, for a rank on Ray)."""
     from_env = [os.path.abspath(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    return list(dict.fromkeys([cwd, *from_env, *base]))
+    return list(dict.fromkeys([*(first or []), cwd, *from_env, *base]))
 
 
 def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int, zygote: Zygote) -> None:
@@ -247,7 +284,7 @@ def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int, zygo
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
-        sys.path[:] = child_path(env, request["cwd"], zygote.base_path)
+        sys.path[:] = child_path(env, request["cwd"], zygote.base_path, request.get("path_first"))
         importlib.invalidate_caches()
         sys.argv = [worker.__file__]
         _reseed_numpy()
@@ -267,13 +304,15 @@ def _reseed_numpy() -> None:
 
 
 def main() -> None:
-    """Warm up, then serve the driver that started this process."""
+    """Warm up, then serve the driver that started this process (and, with a listening
+    socket, whoever connects to it)."""
     control_fd, driver_pid = int(sys.argv[1]), int(sys.argv[2])
     die_with(driver_pid)
     control = socket.socket(fileno=control_fd)
+    listener = socket.socket(fileno=int(sys.argv[4])) if len(sys.argv) > 4 else None
     warm_up()
     guessed = json.loads(sys.argv[3]) if len(sys.argv) > 3 else []
-    Zygote(control, import_guessed(guessed, control)).serve()
+    Zygote(control, import_guessed(guessed, control), listener).serve()
     os._exit(0)  # the driver has gone: the children die with this process
 
 

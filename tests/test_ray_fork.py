@@ -1,0 +1,97 @@
+"""A Ray node's warm process (lockstep._internal.ray_compat.ray_fork) without Ray: the ranks it
+forks for each connection are its children, a rank's end is told to the connection that asked
+for it, and a connection that closes (its actor is gone) takes its ranks with it. The whole path
+on a Ray cluster is in test_ray.py (test_forked_ranks_are_children_of_one_warm_process_per_node
+and the tests run both ways)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lockstep._internal.ray_compat.ray_fork import ForkedRank, NodeForker
+from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
+from lockstep._internal.wire.channel import ENV_AUTHKEY, ENV_DRIVER_PID
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def gone(pid: int, timeout_s: float = 20) -> bool:
+    """Whether ``pid`` has ended (and been reaped by its parent) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.fixture
+def silent_driver() -> Iterator[socket.socket]:
+    """A TCP listener that accepts ranks and never answers their hello: a rank waits there."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server
+
+
+@pytest.fixture
+def forker() -> Iterator[NodeForker]:
+    warm = NodeForker([])
+    try:
+        yield warm
+    finally:
+        warm.close()
+
+
+def rank_env(driver: socket.socket) -> dict[str, str]:
+    port = driver.getsockname()[1]
+    return {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1", ENV_DRIVER_ADDRESS: f"127.0.0.1:{port}", ENV_AUTHKEY: "00" * 32,
+            ENV_DRIVER_PID: str(os.getpid())}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_is_a_child_of_the_warm_process_and_its_end_is_told_to_its_asker(
+        forker: NodeForker, silent_driver: socket.socket) -> None:
+    rank = ForkedRank(forker.name, b"not read before the driver answers", rank_env(silent_driver), [])
+    try:
+        accepted, _ = silent_driver.accept()  # the rank has connected and waits for the challenge
+        assert parent_of(rank.pid) == forker.process.pid
+        accepted.close()  # the "driver" refuses it: the rank fails and exits
+        assert rank.wait() == 1
+    finally:
+        rank.close()
+    assert gone(rank.pid)
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_connection_takes_its_ranks_with_it(forker: NodeForker, silent_driver: socket.socket) -> None:
+    kept = ForkedRank(forker.name, b"", rank_env(silent_driver), [])
+    dropped = ForkedRank(forker.name, b"", rank_env(silent_driver), [])
+    accepted = [silent_driver.accept()[0] for _ in range(2)]  # kept open: the ranks wait on them
+    try:
+        dropped.close()  # as when its Ray actor is killed
+        assert gone(dropped.pid), "a rank outlived the connection that asked for it"
+        assert Path(f"/proc/{kept.pid}").exists(), "another connection's rank was killed too"
+    finally:
+        kept.close()
+        for connection in accepted:
+            connection.close()
+    assert gone(kept.pid)
+    assert forker.alive()  # connections come and go; the warm process stays for the next ranks
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_die_with_the_warm_process(forker: NodeForker, silent_driver: socket.socket) -> None:
+    rank = ForkedRank(forker.name, b"", rank_env(silent_driver), [])
+    accepted, _ = silent_driver.accept()
+    try:
+        forker.close()  # as when the node's first actor is killed
+        assert gone(rank.pid)
+    finally:
+        rank.close()
+        accepted.close()
