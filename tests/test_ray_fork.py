@@ -6,6 +6,7 @@ and the tests run both ways)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -95,3 +96,40 @@ def test_the_ranks_die_with_the_warm_process(forker: NodeForker, silent_driver: 
     finally:
         rank.close()
         accepted.close()
+
+
+def ask_as(uid: int, socket_name: str) -> str:
+    """From a child process running as ``uid``: send the warm process a fork request without
+    descriptors; what came back ("answer ..." or "refused ...")."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls from here on, then _exit
+        outcome = "refused nothing"
+        try:
+            os.setuid(uid)
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            connection.connect("\0" + socket_name)
+            connection.settimeout(20)
+            connection.send(json.dumps({"op": "fork", "env": {}, "cwd": "/"}).encode())
+            outcome = f"answer {connection.recv(1 << 16)!r}"
+        except OSError as error:
+            outcome = f"refused {type(error).__name__}"
+        finally:
+            os.write(write_end, outcome.encode())
+            os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as result:
+            return result.read().decode()
+    finally:
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user (CI runs as root)")
+def test_another_user_s_connection_is_closed_unanswered(forker: NodeForker) -> None:
+    own = ask_as(os.getuid(), forker.name)
+    assert own.startswith("answer ") and "needs 3 descriptors" in own  # this user's request is read
+    other = ask_as(65534, forker.name)
+    assert other in ("answer b''", "refused ConnectionResetError", "refused BrokenPipeError"), other
+    assert forker.alive()

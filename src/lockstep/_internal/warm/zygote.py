@@ -21,7 +21,8 @@ With ``LISTEN_FD`` (a listening Unix socket, SOCK_SEQPACKET: on a Ray node, see
 :mod:`lockstep._internal.ray_compat.ray_fork`) it also serves every connection made to that socket
 as it serves the driver's: fork requests, each answered on its own connection, with the child's
 exit told there too. A connection's children are killed when it closes (the rank's Ray actor
-is gone); the guessed imports are all made before the first connection is served.
+is gone); the guessed imports are all made before the first connection is served. A connection
+from a process of another user is closed at once (SO_PEERCRED).
 
 Forking is refused when this process is no longer safe to fork: a thread running (a preloaded
 module started one, guessed or asked for), or CUDA initialised or its driver library loaded.
@@ -38,6 +39,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import traceback
@@ -142,7 +144,7 @@ class Zygote:
         while True:
             for handle in self._ready():
                 if handle is self.listener:
-                    self.clients.add(self.listener.accept()[0])
+                    self._accept()
                 elif isinstance(handle, socket.socket):
                     if not self._answer(handle):
                         if handle is self.control:
@@ -195,6 +197,19 @@ class Zygote:
             for handle in fds:
                 os.close(handle)
         return True
+
+    def _accept(self) -> None:
+        """Take a connection from a process of this process's user only: a fork request runs
+        the code it names, and an abstract socket is open to every user of the host."""
+        try:
+            client, _ = self.listener.accept()  # type: ignore[union-attr]  # only called for the listener
+        except OSError:
+            return
+        _, uid, _ = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():
+            client.close()
+            return
+        self.clients.add(client)
 
     def _drop(self, client: socket.socket) -> None:
         """A connection ended: kill the children it asked for (they are reaped as usual)."""
