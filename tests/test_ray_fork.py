@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lockstep._internal.ray_compat.ray_fork import ForkedRank, NodeForker
+from lockstep._internal.ray_compat.ray_fork import ForkedRank, ForkRefused, NodeForker
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.wire.channel import ENV_AUTHKEY, ENV_DRIVER_PID
 
@@ -133,3 +135,29 @@ def test_another_user_s_connection_is_closed_unanswered(forker: NodeForker) -> N
     other = ask_as(65534, forker.name)
     assert other in ("answer b''", "refused ConnectionResetError", "refused BrokenPipeError"), other
     assert forker.alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_fork_is_told_apart_and_leaves_nothing() -> None:
+    """A refusal (the actor then runs the rank itself) is a ForkRefused; nothing of the request
+    stays (its stack file, its connection)."""
+    name = f"lockstep-test-refusing-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind("\0" + name)
+        listener.listen()
+
+        def refuse() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                _, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
+                for handle in fds:
+                    os.close(handle)
+                connection.send(json.dumps({"ok": False, "error": "RuntimeError: can't fork safely"}).encode())
+
+        refuser = threading.Thread(target=refuse, daemon=True)
+        refuser.start()
+        stack_files_before = set(Path(tempfile.gettempdir()).glob("lockstep-stack-*"))
+        with pytest.raises(ForkRefused, match="can't fork safely"):
+            ForkedRank(name, b"", {}, [])
+        refuser.join(10)
+    assert set(Path(tempfile.gettempdir()).glob("lockstep-stack-*")) == stack_files_before

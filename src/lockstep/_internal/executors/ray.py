@@ -248,9 +248,8 @@ class RayWorkerGroup(ChannelGroup):
             ).variables()
             env.update(self._channels.worker_env(rank.world_rank))
             forker = forkers.get(rank.place.node_id)
-            runs[actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path(), forker)] = (
-                rank.world_rank
-            )
+            run = actor.run.remote(payload_ref, env, shards[rank.world_rank], user_python_path(), forker=forker)
+            runs[run] = rank.world_rank
         self._watcher = threading.Thread(target=self._watch, args=(runs,), daemon=True, name="lockstep-ray-watch")
         self._watcher.start()
 
@@ -372,5 +371,8 @@ def _exit_of(rank: int, ref: Any) -> WorkerExited:
 
 
 def _first_lines(text: str, count: int = 6) -> str:
+    """The first ``count`` lines of Ray's error, and its last (the exception itself, after a
+    traceback), on one line."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return " ".join(lines[:count])
+    shown = lines[:count] + (["…", lines[-1]] if len(lines) > count else [])
+    return " ".join(shown)

@@ -12,6 +12,7 @@ process fork the rank and waits for it instead: the train function then runs in 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
 import sys
@@ -24,9 +25,11 @@ from lockstep._internal.payload import deserialize_payload
 from lockstep._internal.rank.forwarded_output import ForwardedOutput
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.rank.worker import run_to_outcome
-from lockstep._internal.ray_compat.ray_fork import ForkedRank, NodeForker
+from lockstep._internal.ray_compat.ray_fork import ForkedRank, ForkRefused, NodeForker
 from lockstep._internal.wire.channel import connect_to_driver
 from lockstep._internal.wire.link_watch import DriverWatch
+
+logger = logging.getLogger(__name__)
 
 #: Frames of these files are the actor's plumbing, not the user's code.
 PLUMBING = ("/lockstep/_internal/", "/ray/", "/threading.py", "/concurrent/futures/", "/multiprocessing/connection.py")
@@ -92,7 +95,10 @@ class RayWorker:
             forker: The socket of the node's warm process: the rank runs in a process it forks.
         """
         if forker is not None:
-            return self._run_forked(forker, payload, env, python_path)
+            try:
+                return self._run_forked(forker, payload, env, python_path)
+            except ForkRefused as refusal:  # no rank process was made: run it here instead
+                logger.warning("This rank runs in its Ray actor's process, not forked: %s", refusal)
         saved = RunLeftovers()
         self._clean = False
         try:
@@ -117,6 +123,12 @@ class RayWorker:
         return exit_code
 
     def _run_forked(self, forker: str, payload: bytes, env: dict[str, str], python_path: list[str]) -> int:
+        """Have the node's warm process fork the rank and wait for its end; its exit code.
+
+        Raises:
+            ForkRefused: the warm process refused (then no rank process exists).
+            WarmProcessGone: the warm process ended or did not answer.
+        """
         path_first = [entry for entry in python_path if os.path.isdir(entry)]
         self._forked = ForkedRank(forker, payload, {**os.environ, **env}, path_first)
         try:

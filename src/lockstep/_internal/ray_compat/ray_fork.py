@@ -36,7 +36,7 @@ from lockstep._internal.rank.whereabouts import dump_without_plumbing, with_sour
 from lockstep._internal.rank.worker import ENV_STACK_FILE
 from lockstep._internal.switches import switched_on
 
-__all__ = ["ENV_RAY_FORK", "ForkedRank", "NodeForker", "WarmProcessGone", "fork_requested"]
+__all__ = ["ENV_RAY_FORK", "ForkRefused", "ForkedRank", "NodeForker", "WarmProcessGone", "fork_requested"]
 
 #: Set to 0 (false, off, no): ranks on Ray run in their actors, never forked.
 ENV_RAY_FORK = "LOCKSTEP_RAY_FORK"
@@ -59,6 +59,10 @@ WARM_PROCESS_ENV = {
 
 class WarmProcessGone(RuntimeError):
     """The node's warm process refused a fork or ended."""
+
+
+class ForkRefused(WarmProcessGone):
+    """The node's warm process answered a fork request with a refusal: no rank process exists."""
 
 
 def fork_requested() -> bool:
@@ -130,7 +134,8 @@ class ForkedRank:
         for handle in fds:
             os.close(handle)
         if not answer.get("ok"):
-            raise WarmProcessGone(f"the node's warm process refused to fork the rank: {answer.get('error')}")
+            self.close()
+            raise ForkRefused(f"the node's warm process refused to fork the rank: {answer.get('error')}")
         self.pid = int(answer["pid"])
 
     def wait(self) -> int:
