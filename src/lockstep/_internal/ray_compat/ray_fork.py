@@ -130,7 +130,11 @@ class ForkedRank:
             socket.send_fds(self._connection, [json.dumps(request).encode()], [1, 2, payload_fd])
         finally:
             os.close(payload_fd)
-        answer, fds = self._receive(FORK_ANSWER_TIMEOUT_S)
+        try:
+            answer, fds = self._receive(FORK_ANSWER_TIMEOUT_S)
+        except WarmProcessGone:
+            self.close()  # a rank forked later for this connection is killed as it closes
+            raise
         for handle in fds:
             os.close(handle)
         if not answer.get("ok"):
