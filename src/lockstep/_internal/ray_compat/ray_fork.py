@@ -35,6 +35,7 @@ from lockstep._internal.rank.forwarded_output import ENV_FORWARD_OUTPUT
 from lockstep._internal.rank.whereabouts import dump_without_plumbing, with_source_lines
 from lockstep._internal.rank.worker import ENV_STACK_FILE
 from lockstep._internal.switches import switched_on
+from lockstep._internal.warm.warm_start import WARM_PROCESS_ENV
 
 __all__ = ["ENV_RAY_FORK", "ForkRefused", "ForkedRank", "NodeForker", "WarmProcessGone", "fork_requested"]
 
@@ -46,15 +47,6 @@ FORK_ANSWER_TIMEOUT_S = 300.0
 STACK_DUMP_WAIT_S = 2.0
 STACK_DUMP_POLL_S = 0.05
 MAX_MESSAGE = 1 << 16
-#: The warm process starts no warm process, and its imports start no thread pools (numpy's
-#: OpenBLAS, torch's OpenMP start one per CPU given at import: a process with threads can't fork).
-WARM_PROCESS_ENV = {
-    "LOCKSTEP_WARM_START": "0",
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-}
 
 
 class WarmProcessGone(RuntimeError):

@@ -36,6 +36,17 @@ from lockstep._internal.warm.preload import preload_modules
 logger = logging.getLogger(__name__)
 
 ENV_WARM_START = "LOCKSTEP_WARM_START"
+#: What a warm process's environment sets, on one machine and on a Ray node: it starts no warm
+#: process of its own, its imports start no thread pools (numpy's OpenBLAS and torch's OpenMP
+#: start one per CPU at import, and a process with threads can't fork), and torch asks NVML, not
+#: CUDA, whether GPUs are there (CUDA initialised would make forking unsafe too).
+WARM_PROCESS_ENV = {
+    ENV_WARM_START: "0",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+}
 PREPARE_TIMEOUT_S = 120.0
 FORK_TIMEOUT_S = 30.0
 EXIT_CODE_TIMEOUT_S = 5.0
@@ -96,17 +107,7 @@ class WarmProcess:
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
-        env.update(
-            {
-                ENV_WARM_START: "0",
-                "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": "1",
-                "OPENBLAS_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1",
-                "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-            },
-            PYTHONPATH=worker_pythonpath(env),
-        )
+        env.update(WARM_PROCESS_ENV, PYTHONUNBUFFERED="1", PYTHONPATH=worker_pythonpath(env))
         self.process = subprocess.Popen(
             [
                 sys.executable,
