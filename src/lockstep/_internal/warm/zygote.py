@@ -144,7 +144,7 @@ class Zygote:
         while True:
             for handle in self._ready():
                 if handle is self.listener:
-                    self._accept()
+                    self._accept(handle)
                 elif isinstance(handle, socket.socket):
                     if not self._answer(handle):
                         if handle is self.control:
@@ -198,11 +198,11 @@ class Zygote:
                 os.close(handle)
         return True
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         """Take a connection from a process of this process's user only: a fork request runs
         the code it names, and an abstract socket is open to every user of the host."""
         try:
-            client, _ = self.listener.accept()  # type: ignore[union-attr]  # only called for the listener
+            client, _ = listener.accept()
         except OSError:
             return
         _, uid, _ = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
