@@ -143,8 +143,8 @@ class Zygote:
         """Answer requests and report children's exits, until the driver's end of stream."""
         while True:
             for handle in self._ready():
-                if handle is self.listener:
-                    self._accept(handle)
+                if self.listener is not None and handle is self.listener:
+                    self._accept(self.listener)
                 elif isinstance(handle, socket.socket):
                     if not self._answer(handle):
                         if handle is self.control:
