@@ -271,3 +271,13 @@ def test_calls_with_five_or_more_arguments_name_them() -> None:
                 if called not in POSITIONAL_BY_NATURE:
                     found.append(f"{name}:{node.lineno} {called}")
     assert not found, f"calls passing 5 or more arguments by position (pass them by keyword): {found}"
+
+
+#: The house's length for a module (ROUND3: modules past ~350 lines are split by role).
+MODULE_LINES_LIMIT = 360
+
+
+def test_no_module_grows_past_the_house_length() -> None:
+    long = {name: lines for name, path in package_modules().items()
+            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_LIMIT}
+    assert not long, f"modules over {MODULE_LINES_LIMIT} lines (split them by role): {long}"

@@ -33,6 +33,7 @@ from lockstep._internal.rank.whereabouts import dump_without_plumbing
 from lockstep._internal.rank.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
 from lockstep._internal.run.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.warm import warm_start
+from lockstep._internal.warm.warm_handle import RankProcess, exit_handle
 
 if TYPE_CHECKING:
     from lockstep._internal.run.driver import RunDriver
@@ -138,7 +139,7 @@ class LocalWorkerGroup(ChannelGroup):
         super().__init__(LOOPBACK, spec.num_workers, spec.log_dir, spec.console)
         self.spec = spec
         self.payload = payload
-        self._processes: dict[int, warm_start.RankProcess] = {}
+        self._processes: dict[int, RankProcess] = {}
         self._exit_handles: dict[int, int] = {}
         self._payload_fd: int | None = None
         self._store: Any = None
@@ -159,7 +160,7 @@ class LocalWorkerGroup(ChannelGroup):
             if self._output is not None:
                 self._output.attach(rank, process.stdout, process.stderr)
             self._processes[rank] = process
-            self._exit_handles[rank] = warm_start.exit_handle(process)
+            self._exit_handles[rank] = exit_handle(process)
             self._channels.watch(self._exit_handles[rank], tag=rank)
         logger.debug("started %d worker processes", self.spec.num_workers)
 

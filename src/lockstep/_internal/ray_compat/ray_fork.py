@@ -35,7 +35,7 @@ from lockstep._internal.rank.forwarded_output import ENV_FORWARD_OUTPUT
 from lockstep._internal.rank.whereabouts import dump_without_plumbing, with_source_lines
 from lockstep._internal.rank.worker import ENV_STACK_FILE
 from lockstep._internal.switches import switched_on
-from lockstep._internal.warm.warm_start import WARM_PROCESS_ENV
+from lockstep._internal.warm.warm_handle import WARM_PROCESS_ENV
 
 __all__ = ["ENV_RAY_FORK", "ForkRefused", "ForkedRank", "NodeForker", "WarmProcessGone", "fork_requested"]
 
