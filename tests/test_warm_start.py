@@ -17,6 +17,7 @@ import pytest
 import lockstep
 from conftest import REPO_ROOT, tagged_processes, tagged_processes_after, wait_for_first_report
 from lockstep import RunConfig, ScalingConfig
+from lockstep._internal.installed import installed_file
 from lockstep._internal.warm import warm_start
 from lockstep.torch import TorchTrainer
 
@@ -258,3 +259,12 @@ def test_installed_packages_the_job_names_are_imported_once_in_the_warm_process(
     with open(f"/proc/{warm}/maps") as maps:
         assert "torchvision" in maps.read(), "torchvision was not imported in the warm process before forking"
     assert os_threads(warm) == 1
+
+
+def test_installed_files_are_those_under_this_python_s_installation_not_beside_it() -> None:
+    import torch
+
+    assert installed_file(torch.__file__) and installed_file(os.path.dirname(os.__file__))
+    assert not installed_file(__file__), "the user's own files (these tests) are not installed"
+    assert installed_file(os.path.join(sys.prefix, "lib", "x.py"))
+    assert not installed_file(sys.prefix.rstrip(os.sep) + "2" + os.sep + "x.py"), "a folder beside the venv is not in it"

@@ -31,13 +31,13 @@ import contextlib
 import gc
 import io
 import os
-import site
 import sys
 import threading
 import weakref
 from types import ModuleType
 from typing import Any
 
+from lockstep._internal.installed import installed_file
 from lockstep._internal.switches import switched_on
 
 __all__ = ["ENV_FAST_EXIT", "end_without_last_collections"]
@@ -95,16 +95,13 @@ def _clear(names: dict[str, Any]) -> None:
 def _script_modules(script_folder: str) -> list[str]:
     """``__main__`` and the imported modules whose file is in the script's folder (not an
     installed package's, not lockstep's)."""
-    installed = tuple(
-        {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()}
-    )
     inside = script_folder.rstrip(os.sep) + os.sep
     found = []
     for name, module in list(sys.modules.items()):
         origin = getattr(module, "__file__", None)
         path = os.path.abspath(origin) if isinstance(origin, str) else ""
         if name == "__main__" or (
-            path.startswith(inside) and not path.startswith(installed) and name.split(".")[0] != "lockstep"
+            path.startswith(inside) and not installed_file(path) and name.split(".")[0] != "lockstep"
         ):
             found.append(name)
     return found

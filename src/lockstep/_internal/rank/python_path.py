@@ -6,13 +6,14 @@ import os
 import sys
 from collections.abc import Mapping
 
+from lockstep._internal.installed import installed_file
+
 
 def user_python_path() -> list[str]:
     """The driver's import path entries that a fresh interpreter would not have (the script's
     folder, entries added by the user), so workers can import the same modules."""
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
     entries = [os.path.abspath(entry or os.getcwd()) for entry in sys.path]
-    return [entry for entry in dict.fromkeys(entries) if not any(entry.startswith(prefix) for prefix in prefixes)]
+    return [entry for entry in dict.fromkeys(entries) if not installed_file(entry)]
 
 
 def worker_pythonpath(env: Mapping[str, str]) -> str:

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
+from lockstep._internal.installed import installed_file
+
 #: How much of the payload is searched for module names (its pickle comes first).
 SCANNED_PAYLOAD_BYTES = 16 << 20
 #: Installed packages never imported in the warm process: they start threads or services.
@@ -33,26 +35,25 @@ def preload_modules(payload: bytes) -> list[str]:
     ``mlp_common`` imports). The user's own modules are left to the workers, so an edited file
     is read afresh at every ``fit()``."""
     names = set(re.findall(rb"[A-Za-z_][A-Za-z0-9_.]*", _pickle_of(payload)[:SCANNED_PAYLOAD_BYTES]))
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     modules = list(sys.modules.items())
     for name, module in modules:
-        if name.encode() in names and not _installed(module, prefixes) and name != "__main__":
+        if name.encode() in names and not _installed(module) and name != "__main__":
             names |= _imported_by(module)
     chosen = []
     for name, module in modules:
         if name.encode() not in names or not _may_preload(name):
             continue
-        if _installed(module, prefixes):
+        if _installed(module):
             chosen.append(name)
     if b"prepare_model" in names:
         chosen += [name for name in FOR_PREPARED_MODELS if name not in chosen]
     return chosen
 
 
-def _installed(module: ModuleType, prefixes: tuple[str, ...]) -> bool:
+def _installed(module: ModuleType) -> bool:
     """Whether ``module`` comes from this Python's installation (not the user's own files)."""
     origin = getattr(module, "__file__", None)
-    return isinstance(origin, str) and os.path.abspath(origin).startswith(prefixes)
+    return isinstance(origin, str) and installed_file(origin)
 
 
 def _imported_by(module: ModuleType) -> set[bytes]:

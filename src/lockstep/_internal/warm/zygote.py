@@ -76,13 +76,12 @@ def import_guessed(names: list[str], control: socket.socket) -> str | None:
     """Import the installed modules of ``names`` in order, until the driver sends a request
     (its ``fit()`` has come: what it needs is then asked for exactly). Returns why forking became
     unsafe (a module started a thread, ...), or None."""
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     poller = select.poll()
     poller.register(control.fileno(), select.POLLIN)
     for name in names:
         if poller.poll(0):
             break
-        if name in sys.modules or not _installed(name.partition(".")[0], prefixes):
+        if name in sys.modules or not _installed(name.partition(".")[0]):
             continue
         try:
             importlib.import_module(name)
@@ -94,9 +93,11 @@ def import_guessed(names: list[str], control: socket.socket) -> str | None:
     return None
 
 
-def _installed(top: str, prefixes: tuple[str, ...]) -> bool:
+def _installed(top: str) -> bool:
     """Whether the top-level module ``top`` comes from this Python's installation (found
     without importing it): never the user's own files."""
+    from lockstep._internal.installed import installed_file
+
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
@@ -104,7 +105,7 @@ def _installed(top: str, prefixes: tuple[str, ...]) -> bool:
     places = [spec.origin] if spec is not None and spec.origin else []
     if spec is not None and spec.submodule_search_locations:
         places += list(spec.submodule_search_locations)
-    return bool(places) and all(os.path.abspath(place).startswith(prefixes) for place in places)
+    return bool(places) and all(installed_file(place) for place in places)
 
 
 def os_threads() -> int:
