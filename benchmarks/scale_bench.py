@@ -45,6 +45,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -275,12 +276,15 @@ def run_one_size(args: argparse.Namespace) -> dict[str, Any]:
     killer.start()
     started = time.time()
     try:
-        driver.run(GroupFactory(executor="scripted", start_group=start_group, min_workers=size, max_workers=size))
-        raise RuntimeError("the run ended without the lost rank failing it")
-    except TrainingFailedError:
-        pass
-    peak_rss_mib = _peak_rss_mib()
-    return _figures(size, args, probe, started, stats_dir, Path(driver.log_dir), peak_rss_mib)
+        try:
+            driver.run(GroupFactory(executor="scripted", start_group=start_group, min_workers=size, max_workers=size))
+            raise RuntimeError("the run ended without the lost rank failing it")
+        except TrainingFailedError:
+            pass
+        peak_rss_mib = _peak_rss_mib()
+        return _figures(size, args, probe, started, stats_dir, Path(driver.log_dir), peak_rss_mib)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # the run's files and rank logs: read by _figures
 
 
 def _figures(size: int, args: argparse.Namespace, probe: Probe, started: float, stats_dir: Path, log_dir: Path,

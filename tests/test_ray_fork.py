@@ -6,10 +6,10 @@ and the tests run both ways)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -131,7 +131,7 @@ def ask_as(uid: int, socket_name: str) -> str:
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user (CI runs as root)")
 def test_another_user_s_connection_is_closed_unanswered(forker: NodeForker) -> None:
     own = ask_as(os.getuid(), forker.name)
-    assert own.startswith("answer ") and "needs 3 descriptors" in own  # this user's request is read
+    assert own.startswith("answer ") and "needs 4 descriptors" in own  # this user's request is read
     other = ask_as(65534, forker.name)
     assert other in ("answer b''", "refused ConnectionResetError", "refused BrokenPipeError"), other
     assert forker.alive()
@@ -140,8 +140,9 @@ def test_another_user_s_connection_is_closed_unanswered(forker: NodeForker) -> N
 @pytest.mark.timeout(60)
 def test_a_refused_fork_is_told_apart_and_leaves_nothing() -> None:
     """A refusal (the actor then runs the rank itself) is a ForkRefused; nothing of the request
-    stays (its stack file, its connection)."""
+    stays (its stack buffer, its connection), and nothing of it was ever a file in a folder."""
     name = f"lockstep-test-refusing-{os.getpid()}"
+    sent: list[str] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
         listener.bind("\0" + name)
         listener.listen()
@@ -151,13 +152,25 @@ def test_a_refused_fork_is_told_apart_and_leaves_nothing() -> None:
             with connection:
                 _, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
                 for handle in fds:
+                    sent.append(os.readlink(f"/proc/self/fd/{handle}"))
                     os.close(handle)
                 connection.send(json.dumps({"ok": False, "error": "RuntimeError: can't fork safely"}).encode())
 
         refuser = threading.Thread(target=refuse, daemon=True)
         refuser.start()
-        stack_files_before = set(Path(tempfile.gettempdir()).glob("lockstep-stack-*"))
+        buffers_before = open_stack_buffers()
         with pytest.raises(ForkRefused, match="can't fork safely"):
             ForkedRank(name, b"", {}, [])
         refuser.join(10)
-    assert set(Path(tempfile.gettempdir()).glob("lockstep-stack-*")) == stack_files_before
+    assert len(sent) == 4 and sent[3].startswith("/memfd:lockstep-stacks"), sent
+    assert open_stack_buffers() == buffers_before
+
+
+def open_stack_buffers() -> set[int]:
+    """This process's open descriptors of ranks' stack buffers (in-memory files)."""
+    found = set()
+    for entry in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed while listed
+            if os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:lockstep-stacks"):
+                found.add(int(entry))
+    return found

@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import AbstractContextManager, suppress
 from dataclasses import replace
@@ -29,11 +27,12 @@ from lockstep._internal.payload import TrainJob, payload_in_memory, serialize_pa
 from lockstep._internal.rank.devices import usable_gpu_ids
 from lockstep._internal.rank.python_path import worker_pythonpath
 from lockstep._internal.rank.rank_env import RankEnv, threads_for
+from lockstep._internal.rank.stack_buffer import ENV_STACK_FD, new_stack_buffer, read_dump
 from lockstep._internal.rank.whereabouts import dump_without_plumbing
-from lockstep._internal.rank.worker import ENV_PAYLOAD_FD, ENV_STACK_FILE
+from lockstep._internal.rank.worker import ENV_PAYLOAD_FD
 from lockstep._internal.run.worker_group import GroupFactory, GroupSpec, WorkerExited
 from lockstep._internal.warm import warm_start
-from lockstep._internal.warm.warm_handle import RankProcess, exit_handle
+from lockstep._internal.warm.warm_handle import RankFiles, RankProcess, exit_handle
 
 if TYPE_CHECKING:
     from lockstep._internal.run.driver import RunDriver
@@ -72,7 +71,7 @@ def gpu_slots(rank: int, gpus_per_worker: float) -> list[int]:
     return list(range(rank * per_worker, (rank + 1) * per_worker))
 
 
-def start_rank_process(env: dict[str, str], payload_fd: int, piped: bool) -> subprocess.Popen[bytes]:
+def start_rank_process(env: dict[str, str], files: RankFiles, piped: bool) -> subprocess.Popen[bytes]:
     """Start a rank as a fresh interpreter in a session of its own (the plain way; see
     :mod:`lockstep._internal.warm.warm_start` for the warm one), its output piped when ``piped``."""
     stream = subprocess.PIPE if piped else None
@@ -80,7 +79,7 @@ def start_rank_process(env: dict[str, str], payload_fd: int, piped: bool) -> sub
         [sys.executable, "-m", "lockstep._internal.rank.worker"],
         env=env,
         start_new_session=True,
-        pass_fds=[payload_fd],
+        pass_fds=list(files),
         stdout=stream,
         stderr=stream,
     )
@@ -143,7 +142,7 @@ class LocalWorkerGroup(ChannelGroup):
         self._exit_handles: dict[int, int] = {}
         self._payload_fd: int | None = None
         self._store: Any = None
-        self._stack_dir = tempfile.mkdtemp(prefix="lockstep_stacks_")
+        self._stack_fds: dict[int, int] = {}
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -155,8 +154,10 @@ class LocalWorkerGroup(ChannelGroup):
         gpu_ids = usable_gpu_ids() if self.spec.use_gpu else []
         start_rank = warm_start.rank_starter(self.payload, start_rank_process)
         for rank in range(self.spec.num_workers):
+            self._stack_fds[rank] = new_stack_buffer()
             env = self._worker_env(rank, master_port, gpu_ids)
-            process = start_rank(env, self._payload_fd, self._output is not None)
+            files = RankFiles(payload=self._payload_fd, stacks=self._stack_fds[rank])
+            process = start_rank(env, files, self._output is not None)
             if self._output is not None:
                 self._output.attach(rank, process.stdout, process.stderr)
             self._processes[rank] = process
@@ -185,7 +186,7 @@ class LocalWorkerGroup(ChannelGroup):
         env.update(
             rank_env.variables(),
             PYTHONPATH=worker_pythonpath(env),
-            **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FILE: self._stack_file(rank)},
+            **{ENV_PAYLOAD_FD: str(self._payload_fd), ENV_STACK_FD: str(self._stack_fds[rank])},
             **self._channels.worker_env(rank),
         )
         return env
@@ -209,9 +210,6 @@ class LocalWorkerGroup(ChannelGroup):
 
     # -- diagnostics ---------------------------------------------------------------------------
 
-    def _stack_file(self, rank: int) -> str:
-        return os.path.join(self._stack_dir, f"rank{rank}.txt")
-
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank (SIGUSR1 → faulthandler) where it is. A dump counts once its file has
         stopped growing (faulthandler writes it line by line); wait up to 2 s in all."""
@@ -224,7 +222,7 @@ class LocalWorkerGroup(ChannelGroup):
         while len(complete) < len(asked) and time.monotonic() < deadline:
             time.sleep(STACK_DUMP_POLL_S)
             for rank in asked:
-                text = _read_if_any(self._stack_file(rank))
+                text = read_dump(self._stack_fds[rank])
                 if text and text == seen.get(rank):
                     complete[rank] = text
                 seen[rank] = text
@@ -246,13 +244,7 @@ class LocalWorkerGroup(ChannelGroup):
         if self._payload_fd is not None:
             os.close(self._payload_fd)
             self._payload_fd = None
-        shutil.rmtree(self._stack_dir, ignore_errors=True)
+        for stack_fd in self._stack_fds.values():
+            os.close(stack_fd)
+        self._stack_fds.clear()
         self._store = None
-
-
-def _read_if_any(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        return ""

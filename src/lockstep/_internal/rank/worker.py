@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from lockstep.checkpoint import Checkpoint
 
 ENV_PAYLOAD_FD = "LOCKSTEP_PAYLOAD_FD"
-ENV_STACK_FILE = "LOCKSTEP_STACK_FILE"
 PR_SET_PDEATHSIG = 1
 
 
@@ -51,12 +50,15 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 
 
 def answer_stack_requests() -> None:
-    """On SIGUSR1, write every thread's Python stack to the file the driver reads (used to show
-    where each rank was when the run failed or hung)."""
-    path = os.environ.get(ENV_STACK_FILE)
-    if path:
+    """On SIGUSR1, write every thread's Python stack into the in-memory file the driver reads
+    (:mod:`lockstep._internal.rank.stack_buffer`; used to show where each rank was when the run
+    failed or hung)."""
+    from lockstep._internal.rank.stack_buffer import ENV_STACK_FD
+
+    fd = os.environ.get(ENV_STACK_FD)
+    if fd:
         global _stack_file
-        _stack_file = open(path, "w")  # noqa: SIM115 - must stay open for the signal handler
+        _stack_file = os.fdopen(int(fd), "w")  # must stay open for the signal handler
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
 
 

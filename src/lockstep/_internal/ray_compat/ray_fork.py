@@ -26,14 +26,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from typing import Any
 
 from lockstep._internal.rank.forwarded_output import ENV_FORWARD_OUTPUT
+from lockstep._internal.rank.stack_buffer import dump_size, new_stack_buffer, read_dump
 from lockstep._internal.rank.whereabouts import dump_without_plumbing, with_source_lines
-from lockstep._internal.rank.worker import ENV_STACK_FILE
 from lockstep._internal.switches import switched_on
 from lockstep._internal.warm.warm_handle import WARM_PROCESS_ENV
 
@@ -107,32 +106,37 @@ class ForkedRank:
 
     def __init__(self, socket_name: str, payload: bytes, env: dict[str, str], path_first: list[str]) -> None:
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._connection.connect("\0" + socket_name)
-        stack_fd, self.stack_path = tempfile.mkstemp(prefix="lockstep-stack-", suffix=".txt")
-        os.close(stack_fd)
+        self._stacks = new_stack_buffer()
+        try:
+            self._connection.connect("\0" + socket_name)
+            answer = self._ask_for_fork(payload, env, path_first)
+        except BaseException:
+            self.close()  # a rank forked later for this connection is killed as it closes
+            raise
+        if not answer.get("ok"):
+            self.close()
+            raise ForkRefused(f"the node's warm process refused to fork the rank: {answer.get('error')}")
+        self.pid = int(answer["pid"])
+
+    def _ask_for_fork(self, payload: bytes, env: dict[str, str], path_first: list[str]) -> dict[str, Any]:
+        """Send the fork request (the payload in a memfd, the actor's stdout and stderr, the stack
+        buffer); the warm process's answer."""
         payload_fd = os.memfd_create("lockstep-payload")
         try:
             _write_all(payload_fd, payload)
             request = {
                 "op": "fork",
-                "env": {**env, ENV_STACK_FILE: self.stack_path, ENV_FORWARD_OUTPUT: "1"},
+                "env": {**env, ENV_FORWARD_OUTPUT: "1"},
                 "cwd": os.getcwd(),
                 "path_first": path_first,
             }
-            socket.send_fds(self._connection, [json.dumps(request).encode()], [1, 2, payload_fd])
+            socket.send_fds(self._connection, [json.dumps(request).encode()], [1, 2, payload_fd, self._stacks])
         finally:
             os.close(payload_fd)
-        try:
-            answer, fds = self._receive(FORK_ANSWER_TIMEOUT_S)
-        except WarmProcessGone:
-            self.close()  # a rank forked later for this connection is killed as it closes
-            raise
+        answer, fds = self._receive(FORK_ANSWER_TIMEOUT_S)
         for handle in fds:
             os.close(handle)
-        if not answer.get("ok"):
-            self.close()
-            raise ForkRefused(f"the node's warm process refused to fork the rank: {answer.get('error')}")
-        self.pid = int(answer["pid"])
+        return answer
 
     def wait(self) -> int:
         """The rank's exit code once it ends (negative: the signal that killed it)."""
@@ -149,28 +153,27 @@ class ForkedRank:
     def stack(self) -> str:
         """The rank's Python stacks (faulthandler's dump on SIGUSR1, lockstep's frames left out,
         source lines added), once the dump has stopped growing (up to :data:`STACK_DUMP_WAIT_S`)."""
-        start = os.path.getsize(self.stack_path)
-        try:
-            os.kill(self.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            return ""
-        deadline = time.monotonic() + STACK_DUMP_WAIT_S
         seen = ""
-        while time.monotonic() < deadline:
-            time.sleep(STACK_DUMP_POLL_S)
-            with open(self.stack_path, encoding="utf-8", errors="replace") as dump:
-                dump.seek(start)
-                text = dump.read()
-            if text and text == seen:
-                break
-            seen = text
+        try:  # the rank may end meanwhile, and its end closes the buffer (another thread's wait())
+            start = dump_size(self._stacks)
+            os.kill(self.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + STACK_DUMP_WAIT_S
+            while time.monotonic() < deadline:
+                time.sleep(STACK_DUMP_POLL_S)
+                text = read_dump(self._stacks, start)
+                if text and text == seen:
+                    break
+                seen = text
+        except (ProcessLookupError, OSError):
+            return ""
         return with_source_lines(dump_without_plumbing(seen))
 
     def close(self) -> None:
         """Let go of the connection (the warm process then kills the rank if it still runs)."""
         self._connection.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.stack_path)
+        stacks, self._stacks = self._stacks, -1
+        if stacks >= 0:
+            os.close(stacks)
 
     def _receive(self, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
         self._connection.settimeout(timeout)

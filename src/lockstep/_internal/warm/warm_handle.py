@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from lockstep._internal.descriptors import readable_within
 from lockstep._internal.warm.preload import preload_modules
@@ -25,6 +25,7 @@ __all__ = [
     "ENV_WARM_START",
     "WARM_PROCESS_ENV",
     "ForkedRank",
+    "RankFiles",
     "RankProcess",
     "StartRank",
     "WarmProcess",
@@ -51,7 +52,18 @@ EXIT_CODE_TIMEOUT_S = 5.0
 MAX_MESSAGE = 1 << 20
 
 RankProcess = Any  # subprocess.Popen[bytes] or ForkedRank: pid, stdout, stderr, poll(), wait(), returncode
-StartRank = Callable[[dict[str, str], int, bool], RankProcess]
+
+
+class RankFiles(NamedTuple):
+    """The descriptors a rank inherits besides its output: its job's payload and its stack buffer
+    (:mod:`lockstep._internal.rank.stack_buffer`)."""
+
+    payload: int
+    stacks: int
+
+
+#: How a ``fit()`` starts a rank: ``start(env, files, piped)``, its output piped when ``piped``.
+StartRank = Callable[[dict[str, str], RankFiles, bool], RankProcess]
 
 
 class WarmStartUnavailable(RuntimeError):
@@ -105,10 +117,10 @@ class WarmProcess:
         if reply.get("skipped"):
             logger.debug("the warm process could not import %s; the workers import them", reply["skipped"])
 
-    def fork(self, env: dict[str, str], stdout: int, stderr: int, payload_fd: int) -> tuple[int, int]:
+    def fork(self, env: dict[str, str], stdout: int, stderr: int, files: RankFiles) -> tuple[int, int]:
         """Fork a rank: its pid and a pidfd for it."""
         request = {"op": "fork", "env": env, "cwd": os.getcwd()}
-        reply, fds = self._request(request, [stdout, stderr, payload_fd], FORK_TIMEOUT_S)
+        reply, fds = self._request(request, [stdout, stderr, *files], FORK_TIMEOUT_S)
         if len(fds) != 1:
             raise WarmStartUnavailable(f"the warm process sent {len(fds)} handles for a new rank, not 1")
         self.used = True
@@ -196,14 +208,15 @@ class ForkedRank:
         os.close(self.pidfd)
 
 
-def fork_rank(warm: WarmProcess, env: dict[str, str], payload_fd: int, piped: bool) -> ForkedRank:
+def fork_rank(warm: WarmProcess, env: dict[str, str], files: RankFiles, piped: bool) -> ForkedRank:
+    """Have ``warm`` fork a rank with ``files``, its output piped when ``piped`` (else this process's)."""
     if not piped:
-        pid, pidfd = warm.fork(env, 1, 2, payload_fd)
+        pid, pidfd = warm.fork(env, 1, 2, files)
         return ForkedRank(warm=warm, pid=pid, pidfd=pidfd, stdout=None, stderr=None)
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     try:
-        pid, pidfd = warm.fork(env, out_write, err_write, payload_fd)
+        pid, pidfd = warm.fork(env, out_write, err_write, files)
     except BaseException:
         os.close(out_read)
         os.close(err_read)

@@ -28,6 +28,7 @@ from lockstep._internal.switches import switched_on
 from lockstep._internal.warm.warm_handle import (
     ENV_WARM_START,
     WARM_PROCESS_ENV,
+    RankFiles,
     RankProcess,
     StartRank,
     WarmProcess,
@@ -140,7 +141,7 @@ def release_unused(why: str) -> None:
 
 
 def rank_starter(payload: bytes, plain: StartRank) -> StartRank:
-    """How this ``fit()`` starts a rank: ``start(env, payload_fd, piped)``. Forked by the warm
+    """How this ``fit()`` starts a rank: ``start(env, files, piped)``. Forked by the warm
     process when there is one (first told what to import), else (or once it fails) ``plain``."""
     global _released
     warm = _warm
@@ -161,14 +162,14 @@ def rank_starter(payload: bytes, plain: StartRank) -> StartRank:
         _give_up(error)
         return plain
 
-    def start(env: dict[str, str], payload_fd: int, piped: bool) -> RankProcess:
+    def start(env: dict[str, str], files: RankFiles, piped: bool) -> RankProcess:
         if _warm is not warm:
-            return plain(env, payload_fd, piped)
+            return plain(env, files, piped)
         try:
-            return fork_rank(warm, env, payload_fd, piped)
+            return fork_rank(warm, env, files, piped)
         except WarmStartUnavailable as error:
             _give_up(error)
-            return plain(env, payload_fd, piped)
+            return plain(env, files, piped)
 
     return start
 

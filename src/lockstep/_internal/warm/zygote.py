@@ -237,8 +237,8 @@ class Zygote:
         return skipped
 
     def _fork(self, asker: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
-        if len(fds) != 3:
-            raise ValueError(f"a fork request needs 3 descriptors, got {len(fds)}")
+        if len(fds) != 4:
+            raise ValueError(f"a fork request needs 4 descriptors (stdout, stderr, payload, stacks), got {len(fds)}")
         reason = unsafe_to_fork()
         if reason is not None:
             raise RuntimeError(f"the warm process can't fork safely: {reason}")
@@ -289,14 +289,15 @@ def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int, zygo
         die_with(zygote_pid)
         os.setsid()
         zygote.close_in_child()
-        stdout, stderr, payload = fds
+        stdout, stderr, payload, stacks = fds
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
         os.close(stdout)
         os.close(stderr)
         from lockstep._internal.rank import worker
+        from lockstep._internal.rank.stack_buffer import ENV_STACK_FD
 
-        env = dict(request["env"], **{worker.ENV_PAYLOAD_FD: str(payload)})
+        env = dict(request["env"], **{worker.ENV_PAYLOAD_FD: str(payload), ENV_STACK_FD: str(stacks)})
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
