@@ -23,9 +23,11 @@ test: install
 	LOCKSTEP_DATA=$(DATA) $(PY) -m pytest
 
 # make lint: ruff (lint rules and format, complexity <= 10) and mypy on src/, configured in
-# pyproject.toml; zero findings expected. CI runs it before the tests.
+# pyproject.toml, and ruff's pyflakes rules (unused imports, undefined names) on the tests,
+# benchmarks and examples; zero findings expected. CI runs it before the tests.
 lint: install
 	$(PY) -m ruff check src
+	$(PY) -m ruff check --select F tests benchmarks examples
 	$(PY) -m ruff format --check src
 	$(PY) -m mypy
 

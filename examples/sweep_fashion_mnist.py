@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 import time
-from typing import Any
 
 import optuna
 

@@ -13,7 +13,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +151,23 @@ def tagged_processes_after(deadline: float) -> list[int]:
     while (left := tagged_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def running_after(pids: Iterable[int], timeout_s: float, zombies_count: bool = True) -> set[int]:
+    """The processes of ``pids`` still there after up to ``timeout_s`` (none as soon as all are
+    gone). A zombie (ended, not yet reaped by its parent) counts unless ``zombies_count`` is False."""
+    deadline = time.monotonic() + timeout_s
+    while (left := {pid for pid in pids if _there(pid, zombies_count)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _there(pid: int, zombies_count: bool) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return zombies_count or state != "Z"
 
 
 _STACK_HEADER = re.compile(r"^ranks? ([\d, -]+) (?:was|were) still running, here:\n", re.MULTILINE)

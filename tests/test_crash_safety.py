@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO_ROOT, sigint_raises, tagged_processes_after
+from conftest import REPO_ROOT, running_after, sigint_raises, tagged_processes_after
 from lockstep._internal.persist.storage import CRASH_TEST_GATE
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -211,10 +211,8 @@ GONE_WITHIN_S = 5.0
 
 def assert_gone_soon(pids: list[int], since: float) -> None:
     """Every process in ``pids`` has exited within GONE_WITHIN_S of ``since``."""
-    alive = pids
-    while (alive := [pid for pid in alive if Path(f"/proc/{pid}").exists()]) and time.monotonic() < since + GONE_WITHIN_S:
-        time.sleep(0.05)
-    assert alive == [], f"DataLoader worker processes {alive} still running {GONE_WITHIN_S} s after the run ended"
+    alive = running_after(pids, since + GONE_WITHIN_S - time.monotonic())
+    assert not alive, f"DataLoader worker processes {alive} still running {GONE_WITHIN_S} s after the run ended"
 
 
 def loader_pids(marks: Path) -> list[int]:

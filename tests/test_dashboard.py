@@ -5,7 +5,6 @@ the `lost` status it allows. The pages in a real browser: tests/test_dashboard_b
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from lockstep._internal.warm.preload import FOR_PREPARED_MODELS, scan_script
-from lockstep._internal.warm.zygote import Zygote, import_guessed
+from lockstep._internal.warm.zygote import Zygote
 
 LOCKSTEP_COMMAND = str(Path(sys.executable).with_name("lockstep"))
 

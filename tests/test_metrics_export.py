@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 import lockstep
 from lockstep import RunConfig, ScalingConfig
 from lockstep._internal.output import metrics_export
-from lockstep._internal.output.metrics_families import FAMILIES
 from lockstep._internal.output.metrics_state import RunMetrics
 from lockstep._internal.persist.retry_counts import count_retry
 from lockstep._internal.rank.step_timing import StepTimes

@@ -31,7 +31,7 @@ from test_channel_trust import assert_rogue_refused, rogue_config, rogue_peer_tr
 from test_launch import rogue_train_func
 from validation_fns import validate_in_ray_task
 
-from conftest import REPO_ROOT, untagged
+from conftest import REPO_ROOT, running_after, untagged
 
 ray = pytest.importorskip("ray")
 from ray import remote  # noqa: E402 - a Ray function under another name (test_a_train_function_that_names_ray...)
@@ -692,14 +692,6 @@ def fail_after_telling_pids(config: dict[str, Any]) -> None:
     lockstep.report({"never": True})
 
 
-def wait_gone(pids: set[int], timeout_s: float = 20) -> set[int]:
-    """The processes of ``pids`` still running after up to ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while (alive := {pid for pid in pids if Path(f"/proc/{pid}").exists()}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive
-
-
 @ray_test
 @pytest.mark.timeout(150)
 def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(storage_path: str,
@@ -715,7 +707,7 @@ def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(sto
         assert rank["earlier_group_gone"] is True and rank["same_world"] is False, "the first fit's process group survived"
     release_kept_actors()
     assert POOL.kept is None
-    assert not wait_gone({rank["pid"] for rank in second}), "released actors still run"
+    assert not running_after({rank["pid"] for rank in second}, 20), "released actors still run"
 
 
 @ray_test
@@ -730,7 +722,7 @@ def test_a_failed_fits_actors_are_not_reused(storage_path: str, tmp_path: Path) 
     assert len(failed) == 2
     pids = set(fit_on_ray(report_pids, storage_path, num_workers=2).metrics["pids"])
     assert not pids & failed
-    assert not wait_gone(failed), "the failed fit's actors still run"
+    assert not running_after(failed, 20), "the failed fit's actors still run"
 
 
 def report_pids_until_stopped() -> None:
@@ -759,7 +751,7 @@ def test_another_shape_gets_new_actors_and_the_kept_ones_are_released(storage_pa
     packed = set(fit_on_ray(report_pids, storage_path, num_workers=2, placement_strategy="PACK").metrics["pids"])
     spread = set(fit_on_ray(report_pids, storage_path, num_workers=2, placement_strategy="SPREAD").metrics["pids"])
     assert not packed & spread
-    assert not wait_gone(packed), "the kept actors of the other shape still run"
+    assert not running_after(packed, 20), "the kept actors of the other shape still run"
     assert POOL.kept is not None and POOL.kept.shape.placement_strategy == "SPREAD"
 
 
@@ -800,7 +792,7 @@ def test_forked_ranks_are_children_of_one_warm_process_per_node(storage_path: st
     assert not {rank["pid"] for rank in first} & {rank["pid"] for rank in second}, "a rank process outlived its fit"
     release_kept_actors()
     everything = {rank["pid"] for rank in first + second} | set(parents.values())
-    assert not wait_gone(everything), "released actors left their warm processes or ranks running"
+    assert not running_after(everything, 20), "released actors left their warm processes or ranks running"
 
 
 @ray_test

@@ -6,7 +6,6 @@ dataset, as in such a script), and both kinds of shard take Ray Data's ``iter_ba
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 

@@ -11,11 +11,11 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import running_after
 
 from lockstep._internal.ray_compat.ray_fork import ForkedRank, ForkRefused, NodeForker
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
@@ -26,12 +26,9 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def gone(pid: int, timeout_s: float = 20) -> bool:
-    """Whether ``pid`` has ended (and been reaped by its parent) within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not Path(f"/proc/{pid}").exists()
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has ended and been reaped by its parent within 20 s."""
+    return not running_after({pid}, 20)
 
 
 @pytest.fixture

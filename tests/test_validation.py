@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, running_after
 from validation_fns import WAIT_S, validate_as_told, validate_at_once, validate_value, wait_for
 
 import lockstep
@@ -368,11 +368,8 @@ def start_driver(storage_path: str, marks: Path) -> subprocess.Popen[bytes]:
 
 
 def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    """Whether ``pid`` has ended (a zombie its parent has not reaped yet counts as ended)."""
+    return not running_after({pid}, 0, zombies_count=False)
 
 
 def report_nothing_new() -> None:
