@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -56,10 +57,40 @@ def test_s3_run_checkpoints_result_and_resume(s3_env: dict[str, str], mode: str)
     assert [metrics["step"] for _, metrics in read_back.best_checkpoints] == [0, 1, 2]
 
 
+def local_log_folders() -> set[Path]:
+    """The local folders that runs on remote storage write their workers' logs into first."""
+    return set(Path(tempfile.gettempdir()).glob("lockstep_logs_*"))
+
+
 def test_missing_bucket_fails_before_start(s3_env: dict[str, str]) -> None:
+    before = local_log_folders()
     trainer = TorchTrainer(checkpoint_every_step, run_config=RunConfig(storage_path="s3://no-such-bucket/x"))
     with pytest.raises(ValueError, match="bucket exists"):
         trainer.fit()
+    assert local_log_folders() == before, "a run refused before it started left its local log folder behind"
+
+
+def test_logs_storage_refuses_at_the_end_stay_local_and_the_run_keeps_its_result(
+        s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from lockstep._internal.persist.storage import RunStorage
+    from lockstep.errors import StorageUnreachableError
+
+    def unreachable(storage: RunStorage, local_dir: str) -> None:
+        raise StorageUnreachableError(f"{storage.display_path} did not answer (the test's outage)")
+
+    monkeypatch.setattr(RunStorage, "upload_logs", unreachable)
+    caplog.set_level("WARNING", logger="lockstep")
+    result = TorchTrainer(checkpoint_every_step, train_loop_config={"steps": 1},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="logs-stay-local", storage_path="s3://runs/prefix")).fit()
+    assert result.error is None and result.metrics == {"step": 0, "score": 0}
+    told = [record.getMessage() for record in caplog.records if "could not be copied" in record.getMessage()]
+    assert len(told) == 1 and "the test's outage" in told[0], told
+    folder = Path(told[0].rsplit("they stay in ", 1)[1].rstrip("."))
+    try:
+        assert sorted(path.name for path in folder.iterdir()) == ["rank_0.log", "rank_1.log"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_wrong_credentials_fail_before_start() -> None:

@@ -111,8 +111,11 @@ class DataParallelTrainer:
         if self.validation_config is not None:
             launcher = executor.validation_launcher(self.validation_config, driver.log_dir)
             driver.validation = ValidationSetup(self.validation_config, launcher)
-        with executor.reserve(storage.name):
-            return executor.launch(self._job(storage), driver)
+        try:
+            with executor.reserve(storage.name):
+                return executor.launch(self._job(storage), driver)
+        finally:
+            driver.discard_unused_logs()
 
     def _config_record(self, scaling: ScalingConfig) -> dict[str, Any]:
         """The run's configuration as its record keeps it."""

@@ -231,6 +231,12 @@ class RunStorage:
             return self.path_of("logs")
         return make_temp_dir("lockstep_logs_")
 
+    def discard_local_logs(self, local_dir: str) -> None:
+        """Remove the local temporary folder of :meth:`local_log_dir` (remote storage) when the
+        run ends before any worker wrote into it; nothing to do on local storage."""
+        if not is_local(self.filesystem):
+            shutil.rmtree(local_dir, ignore_errors=True)
+
     def upload_logs(self, local_dir: str) -> None:
         """Copy worker logs from a local folder into the run folder's ``logs/`` (remote storage)."""
         if not is_local(self.filesystem):

@@ -71,6 +71,7 @@ class RunDriver:
         self.validation = validation
         self.log_dir = storage.local_log_dir()
         self.console: ConsoleMode = run_config.worker_output
+        self._drove = False
 
     def prepare(self, make_group: GroupFactory, restarts: bool = True, watch_hangs: bool = True) -> Controller:
         """Check the storage, open the run record, and build the controller that will start
@@ -126,6 +127,7 @@ class RunDriver:
         """Run ``controller`` to the end of the run, its record beating and (on remote storage) its
         logs copied to storage as it goes (see :mod:`lockstep._internal.run.upkeep`); the logs go
         to storage at the end either way."""
+        self._drove = True
         try:
             with (
                 driver_signals(controller.preemption, lambda: list(range(controller.recorder.world_size))),
@@ -133,7 +135,26 @@ class RunDriver:
             ):
                 return controller.run()
         finally:
+            self._keep_logs()
+
+    def discard_unused_logs(self) -> None:
+        """Remove the local folder for the workers' logs (remote storage) if no run was driven: the
+        fit ended before its first attempt (a refused storage, a job that can't be serialized)."""
+        if not self._drove:
+            self.storage.discard_local_logs(self.log_dir)
+
+    def _keep_logs(self) -> None:
+        """Copy the logs to remote storage; when that fails, say where they stay instead of
+        replacing the run's outcome (its result, or the error it raised) with the copy's error."""
+        try:
             self.storage.upload_logs(self.log_dir)
+        except OSError as error:
+            logger.warning(
+                "The workers' logs could not be copied to %s (%s); they stay in %s.",
+                self.storage.display_path,
+                error,
+                self.log_dir,
+            )
 
     def run(self, make_group: GroupFactory, restarts: bool = True) -> Result:
         """:meth:`prepare`, then :meth:`drive`."""
