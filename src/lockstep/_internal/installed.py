@@ -15,15 +15,14 @@ __all__ = ["installation_roots", "installed_file"]
 
 @functools.cache
 def installation_roots() -> tuple[str, ...]:
-    """The folders this Python's installed modules live under (absolute, without a trailing separator)."""
+    """The folders this Python's installed modules live under (absolute, each ending with a separator)."""
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *getattr(site, "getsitepackages", list)()}
     if site.ENABLE_USER_SITE:
         roots.add(site.getusersitepackages())
-    return tuple(sorted({os.path.abspath(root) for root in roots if root}))
+    return tuple(sorted({os.path.join(os.path.abspath(root), "") for root in roots if root}))
 
 
 def installed_file(path: str) -> bool:
     """Whether ``path`` lies under one of :func:`installation_roots` (a folder of that name
     beside one, ``/opt/venv2`` next to ``/opt/venv``, does not count)."""
-    absolute = os.path.abspath(path)
-    return any(absolute == root or absolute.startswith(root.rstrip(os.sep) + os.sep) for root in installation_roots())
+    return os.path.join(os.path.abspath(path), "").startswith(installation_roots())

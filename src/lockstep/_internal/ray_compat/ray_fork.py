@@ -164,7 +164,7 @@ class ForkedRank:
                 if text and text == seen:
                     break
                 seen = text
-        except (ProcessLookupError, OSError):
+        except OSError:  # ProcessLookupError among them: the rank has ended
             return ""
         return with_source_lines(dump_without_plumbing(seen))
 
