@@ -164,10 +164,21 @@ def running_after(pids: Iterable[int], timeout_s: float, zombies_count: bool = T
 
 def _there(pid: int, zombies_count: bool) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = stat_fields(pid)[0]
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return zombies_count or state != "Z"
+
+
+def stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name (which may hold spaces): the state first,
+    then the parent's pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def parent_of(pid: int) -> int:
+    """The pid of ``pid``'s parent process."""
+    return int(stat_fields(pid)[1])
 
 
 _STACK_HEADER = re.compile(r"^ranks? ([\d, -]+) (?:was|were) still running, here:\n", re.MULTILINE)

@@ -15,15 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import running_after
+from conftest import parent_of, running_after
 
 from lockstep._internal.ray_compat.ray_fork import ForkedRank, ForkRefused, NodeForker
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.wire.channel import ENV_AUTHKEY, ENV_DRIVER_PID
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def gone(pid: int) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from conftest import REPO_ROOT, tagged_processes, tagged_processes_after, wait_for_first_report
+from conftest import REPO_ROOT, parent_of, tagged_processes, tagged_processes_after, wait_for_first_report
 from lockstep import RunConfig, ScalingConfig
 from lockstep._internal.installed import installed_file
 from lockstep._internal.warm import warm_start
@@ -191,18 +191,13 @@ def test_a_killed_driver_takes_the_warm_process_and_workers_with_it(tmp_path: Pa
     driver = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")])
     try:
         wait_for_first_report(reports, driver)
-        parents = {pid: _parent(pid) for pid in tagged_processes()}
+        parents = {pid: parent_of(pid) for pid in tagged_processes()}
         workers = [pid for pid, parent in parents.items() if parent not in (driver.pid, os.getpid())]
         assert len(parents) >= 4 and len(workers) == 2, f"expected driver, warm process and 2 workers: {parents}"
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
     assert tagged_processes_after(time.monotonic() + 10) == [], "processes outlived their killed driver"
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as handle:
-        return int(handle.read().rsplit(")", 1)[1].split()[1])
 
 
 CHECK_NOTHING_WARM = """
