@@ -13,14 +13,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import REPO_ROOT, running_after, sigint_raises, tagged_processes_after
+
 from lockstep._internal.persist.storage import CRASH_TEST_GATE
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -31,8 +32,15 @@ WRITE_OF_THE_SECOND_CHECKPOINT = 3
 
 
 def start_driver(args: list[str], **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_raises)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_raises,
+    )
 
 
 def run_to_the_end(args: list[str], **env: str) -> dict[str, Any]:
@@ -196,6 +204,9 @@ def test_driver_killed_while_writing_the_record_on_s3(s3_env: dict[str, str]) ->
         store = s3fs.S3FileSystem(skip_instance_cache=True)
         record = json.loads(store.cat_file("runs/crash-safety/crash/lockstep_run.json"))
         assert record["status"] == "running" and record["latest_checkpoint"] == "checkpoint_000000"
+        left_logs = logs_left_by(driver.pid)
+        killed_runs_log = (left_logs / "logs" / "rank_0.log").read_text()
+        assert "step 1 of the run that started at step 0" in killed_runs_log
 
         resumed = run_to_the_end(args, AWS_ENDPOINT_URL=proxy.url)
     finally:
@@ -203,6 +214,18 @@ def test_driver_killed_while_writing_the_record_on_s3(s3_env: dict[str, str]) ->
     assert resumed["metrics"] == {"step": STEPS - 1, "start": 1}, "the rerun did not continue from checkpoint_000000"
     record = json.loads(store.cat_file("runs/crash-safety/crash/lockstep_run.json"))
     assert record["status"] == "finished" and resumed["checkpoint"].endswith(record["latest_checkpoint"])
+    assert not left_logs.exists(), "the rerun did not take in the logs its killed driver left"
+    log = store.cat_file("runs/crash-safety/crash/logs/rank_0.log").decode()
+    assert log.startswith(killed_runs_log), "the killed run's last output is missing from the run's log"
+    assert f"step {STEPS - 1} of the run that started at step 1" in log[len(killed_runs_log) :]
+
+
+def logs_left_by(driver_pid: int) -> Path:
+    """The local log folder a killed driver of a run on remote storage left behind."""
+    for owner in Path(tempfile.gettempdir()).glob("lockstep_logs_*/owner.json"):
+        if json.loads(owner.read_text())["pid"] == driver_pid:
+            return owner.parent
+    raise AssertionError(f"the killed driver {driver_pid} left no local log folder")
 
 
 LOADER_JOB = str(SCRIPTS / "dataloader_workers_job.py")
@@ -244,7 +267,9 @@ def test_dataloader_workers_are_gone_after_ctrl_c(tmp_path: Path) -> None:
     driver = start_driver([LOADER_JOB, str(tmp_path / "results"), str(marks), "forever"])
     deadline = time.monotonic() + 90
     while len(loader_pids(marks)) < 4:
-        assert driver.poll() is None and time.monotonic() < deadline, f"the loaders never started: {driver.communicate()}"
+        assert driver.poll() is None and time.monotonic() < deadline, (
+            f"the loaders never started: {driver.communicate()}"
+        )
         time.sleep(0.05)
     pids = loader_pids(marks)
     driver.send_signal(signal.SIGINT)

@@ -8,11 +8,19 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from s3_server import apply_env, restore_env, s3_server
 
 import lockstep
-from lockstep import Checkpoint, CheckpointConfig, CheckpointUploadMode, Result, RunConfig, ScalingConfig, TrainingFailedError
+from lockstep import (
+    Checkpoint,
+    CheckpointConfig,
+    CheckpointUploadMode,
+    Result,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+)
 from lockstep.torch import TorchTrainer
-from s3_server import apply_env, restore_env, s3_server
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -29,16 +37,23 @@ def checkpoint_every_step(config: dict) -> None:
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, "step.txt").write_text(str(step))
             Path(folder, f"rank{rank}.bin").write_bytes(os.urandom(config.get("bytes", 1000)))
-            lockstep.report({"step": step, "score": config.get("scores", [0] * 99)[step]},
-                            checkpoint=Checkpoint.from_directory(folder), checkpoint_upload_mode=mode)
+            lockstep.report(
+                {"step": step, "score": config.get("scores", [0] * 99)[step]},
+                checkpoint=Checkpoint.from_directory(folder),
+                checkpoint_upload_mode=mode,
+            )
 
 
 @pytest.mark.parametrize("mode", ["SYNC", "ASYNC"])
 def test_s3_run_checkpoints_result_and_resume(s3_env: dict[str, str], mode: str) -> None:
     run_config = RunConfig(name=f"s3-{mode}", storage_path="s3://runs/prefix")
     config = {"steps": 2, "mode": mode, "bytes": 200_000}
-    result = TorchTrainer(checkpoint_every_step, train_loop_config=config,
-                          scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+    result = TorchTrainer(
+        checkpoint_every_step,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=run_config,
+    ).fit()
     assert result.path == f"s3://runs/prefix/s3-{mode}"
     assert result.checkpoint.uri == f"s3://runs/prefix/s3-{mode}/checkpoint_000001"
     with result.checkpoint.as_directory() as folder:
@@ -47,8 +62,12 @@ def test_s3_run_checkpoints_result_and_resume(s3_env: dict[str, str], mode: str)
         assert os.path.getsize(Path(folder, "rank1.bin")) == 200_000
     assert not os.path.exists(folder), "as_directory() must remove its download"
 
-    resumed = TorchTrainer(checkpoint_every_step, train_loop_config={**config, "steps": 1},
-                           scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+    resumed = TorchTrainer(
+        checkpoint_every_step,
+        train_loop_config={**config, "steps": 1},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=run_config,
+    ).fit()
     assert list(resumed.metrics_dataframe["report_index"]) == [0, 1, 2]
     assert list(resumed.metrics_dataframe["step"]) == [0, 1, 2]
 
@@ -71,7 +90,8 @@ def test_missing_bucket_fails_before_start(s3_env: dict[str, str]) -> None:
 
 
 def test_logs_storage_refuses_at_the_end_stay_local_and_the_run_keeps_its_result(
-        s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from lockstep._internal.persist.storage import RunStorage
     from lockstep.errors import StorageUnreachableError
 
@@ -80,9 +100,12 @@ def test_logs_storage_refuses_at_the_end_stay_local_and_the_run_keeps_its_result
 
     monkeypatch.setattr(RunStorage, "upload_logs", unreachable)
     caplog.set_level("WARNING", logger="lockstep")
-    result = TorchTrainer(checkpoint_every_step, train_loop_config={"steps": 1},
-                          scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(name="logs-stay-local", storage_path="s3://runs/prefix")).fit()
+    result = TorchTrainer(
+        checkpoint_every_step,
+        train_loop_config={"steps": 1},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="logs-stay-local", storage_path="s3://runs/prefix"),
+    ).fit()
     assert result.error is None and result.metrics == {"step": 0, "score": 0}
     told = [record.getMessage() for record in caplog.records if "could not be copied" in record.getMessage()]
     assert len(told) == 1 and "the test's outage" in told[0], told
@@ -90,7 +113,29 @@ def test_logs_storage_refuses_at_the_end_stay_local_and_the_run_keeps_its_result
     try:
         assert sorted(path.name for path in folder.iterdir()) == ["rank_0.log", "rank_1.log"]
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder.parent, ignore_errors=True)  # the folder and its owner file
+
+
+def prints_its_token(config: dict) -> None:
+    print(f"output of {config['token']}", flush=True)
+    lockstep.report({"done": 1})
+
+
+def test_a_rerun_on_s3_keeps_the_earlier_runs_logs(s3_env: dict[str, str]) -> None:
+    import s3fs
+
+    run_config = RunConfig(name="logs-of-two-runs", storage_path="s3://runs/prefix")
+    for token in ("the first run", "the second run"):
+        result = TorchTrainer(
+            prints_its_token,
+            train_loop_config={"token": token},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=run_config,
+        ).fit()
+        assert result.error is None
+    store = s3fs.S3FileSystem(skip_instance_cache=True)
+    log = store.cat_file("runs/prefix/logs-of-two-runs/logs/rank_0.log").decode()
+    assert log.index("output of the first run") < log.index("output of the second run"), log
 
 
 def test_wrong_credentials_fail_before_start() -> None:
@@ -100,8 +145,9 @@ def test_wrong_credentials_fail_before_start() -> None:
         previous = apply_env({**env, "AWS_EC2_METADATA_DISABLED": "true"})
         try:
             wrong_keys = s3fs.S3FileSystem(skip_instance_cache=True, key="wrong", secret="wrong")
-            trainer = TorchTrainer(checkpoint_every_step, run_config=RunConfig(
-                storage_path="s3://runs/x", storage_filesystem=wrong_keys))
+            trainer = TorchTrainer(
+                checkpoint_every_step, run_config=RunConfig(storage_path="s3://runs/x", storage_filesystem=wrong_keys)
+            )
             with pytest.raises(ValueError, match="access denied .* Check the credentials"):
                 trainer.fit()
         finally:
@@ -113,8 +159,11 @@ def test_async_uploads_commit_in_order_after_the_temp_folder_is_gone(storage_pat
         checkpoint_every_step,
         train_loop_config={"steps": 4, "mode": "ASYNC", "bytes": 2_000_000, "scores": [3, 9, 1, 5]},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="async", storage_path=storage_path, checkpoint_config=CheckpointConfig(
-            num_to_keep=2, checkpoint_score_attribute="score")),
+        run_config=RunConfig(
+            name="async",
+            storage_path=storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score"),
+        ),
     ).fit()
     run = Path(storage_path, "async")
     assert sorted(path.name for path in run.glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000003"]
@@ -131,8 +180,12 @@ def write_then_block_storage(config: dict) -> None:
         lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(folder))
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "model.pt").write_text("never committed")
-        lockstep.report({"step": 1}, checkpoint=Checkpoint.from_directory(folder),
-                        checkpoint_dir_name="checkpoint_000001", checkpoint_upload_mode=config["mode"])
+        lockstep.report(
+            {"step": 1},
+            checkpoint=Checkpoint.from_directory(folder),
+            checkpoint_dir_name="checkpoint_000001",
+            checkpoint_upload_mode=config["mode"],
+        )
 
 
 @pytest.mark.parametrize("mode", ["SYNC", "ASYNC"])
@@ -165,7 +218,8 @@ def test_unshared_storage_is_detected_by_the_worker(tmp_path: Path) -> None:
 
     filesystem = NodeLocalFileSystem(str(tmp_path / "disks"))
     trainer = TorchTrainer(
-        checkpoint_every_step, train_loop_config={"steps": 1},
+        checkpoint_every_step,
+        train_loop_config={"steps": 1},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="unshared", storage_path="runs", storage_filesystem=filesystem),
     )
@@ -192,8 +246,11 @@ def register_in_place(config: dict) -> None:
 
 
 def test_no_upload_registers_the_checkpoint_where_it_is(storage_path: str, tmp_path: Path) -> None:
-    result = TorchTrainer(register_in_place, train_loop_config={"folder": str(tmp_path / "mine")},
-                          run_config=RunConfig(name="inplace", storage_path=storage_path)).fit()
+    result = TorchTrainer(
+        register_in_place,
+        train_loop_config={"folder": str(tmp_path / "mine")},
+        run_config=RunConfig(name="inplace", storage_path=storage_path),
+    ).fit()
     assert result.checkpoint.path == str(tmp_path / "mine")
     assert Result.from_path(Path(storage_path, "inplace")).checkpoint.path == str(tmp_path / "mine")
 
@@ -223,8 +280,10 @@ def test_staging_copies_of_ranks_that_died_are_swept_when_a_rank_stages_there(tm
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         host = socket.gethostname()
-        left = {name: tmp_path / f".lockstep_upload_{name}" for name in
-                (f"{host}_{dead.pid}_x1", f"{host}_{alive.pid}_x2", f"otherhost_{dead.pid}_x3")}
+        left = {
+            name: tmp_path / f".lockstep_upload_{name}"
+            for name in (f"{host}_{dead.pid}_x1", f"{host}_{alive.pid}_x2", f"otherhost_{dead.pid}_x3")
+        }
         for folder in left.values():
             (folder / "sub").mkdir(parents=True)
             (folder / "sub" / "model.pt").write_bytes(b"weights")

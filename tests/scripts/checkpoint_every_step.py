@@ -15,10 +15,10 @@ def train_func(config):
     start = 0
     checkpoint = lockstep.get_checkpoint()
     if checkpoint is not None:
-        with checkpoint.as_directory() as folder:
-            with open(os.path.join(folder, "step.txt")) as handle:
-                start = int(handle.read()) + 1
+        with checkpoint.as_directory() as folder, open(os.path.join(folder, "step.txt")) as handle:
+            start = int(handle.read()) + 1
     for step in range(start, config["steps"]):
+        print(f"step {step} of the run that started at step {start}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
             if lockstep.get_context().get_world_rank() == 0:
                 with open(os.path.join(folder, "step.txt"), "w") as handle:
@@ -29,7 +29,9 @@ def train_func(config):
 if __name__ == "__main__":
     storage_path, name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     result = TorchTrainer(
-        train_func, train_loop_config={"steps": steps}, scaling_config=ScalingConfig(num_workers=2),
+        train_func,
+        train_loop_config={"steps": steps},
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=storage_path, name=name),
     ).fit()
     print("RESULT", json.dumps({"metrics": result.metrics, "checkpoint": result.checkpoint.path}))

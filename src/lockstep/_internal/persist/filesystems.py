@@ -114,20 +114,25 @@ def is_local(filesystem: fsspec.AbstractFileSystem) -> bool:
 
 
 def download_directory(
-    filesystem: fsspec.AbstractFileSystem, source: str, local_dir: str, retry: StorageRetry | None = None
+    filesystem: fsspec.AbstractFileSystem,
+    source: str,
+    local_dir: str,
+    retry: StorageRetry | None = None,
+    operation: str = "download_checkpoint",
 ) -> None:
     """Copy the folder ``source`` on ``filesystem`` into the local folder ``local_dir`` (each
-    remote listing and file retried through ``retry``; a default one when None)."""
+    remote listing and file retried through ``retry``, a default one when None, and counted as
+    ``operation``)."""
     if is_local(filesystem):
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
         return
     retry = retry or _DEFAULT_RETRY
     shown = shown_path(filesystem, source)
-    for remote in retry.call("download_checkpoint", shown, functools.partial(filesystem.find, source)):
+    for remote in retry.call(operation, shown, functools.partial(filesystem.find, source)):
         relative = remote[len(source.rstrip("/")) + 1 :]
         local = os.path.join(local_dir, *relative.split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        retry.call("download_checkpoint", shown, functools.partial(filesystem.get_file, remote, local))
+        retry.call(operation, shown, functools.partial(filesystem.get_file, remote, local))
 
 
 def folder_size(folder: str) -> int:

@@ -62,6 +62,7 @@ OPERATIONS = {
     "download_checkpoint": "reading checkpoint files",
     "delete_checkpoint": "deleting a checkpoint",
     "upload_logs": "copying the workers' logs",
+    "download_logs": "reading the workers' earlier logs",
     "write_record": "writing the run record",
     "read_record": "reading the run record",
     "write_reports": "writing the report history",

@@ -24,17 +24,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep._internal.persist import local_logs
 from lockstep._internal.persist.filesystems import (
     is_local,
     is_object_store,
     join,
-    make_temp_dir,
     resolve_filesystem,
     shown_path,
 )
@@ -226,16 +225,25 @@ class RunStorage:
 
     def local_log_dir(self) -> str:
         """Where worker output is written as it comes: the run folder's ``logs/`` on local disk,
-        else a local temporary folder uploaded by :meth:`upload_logs`."""
+        else a local folder copied into it (by the upkeep as the run goes, by :meth:`upload_logs`
+        at its end; see :mod:`lockstep._internal.persist.local_logs`)."""
         if is_local(self.filesystem):
             return self.path_of("logs")
-        return make_temp_dir("lockstep_logs_")
+        return local_logs.new_local_log_dir(self.display_path)
+
+    def take_in_earlier_logs(self, local_dir: str, last_driver: dict[str, Any] | None) -> None:
+        """Before a rerun of the run on remote storage: copy the logs its last driver (the
+        record's ``driver``) left on this host when it was killed into the run folder, then fetch
+        the run folder's logs into ``local_dir``, where this run appends to them as on local disk."""
+        if not is_local(self.filesystem):
+            local_logs.bring_home_left_logs(self, last_driver)
+            local_logs.fetch_earlier_logs(self, local_dir)
 
     def discard_local_logs(self, local_dir: str) -> None:
-        """Remove the local temporary folder of :meth:`local_log_dir` (remote storage) when the
-        run ends before any worker wrote into it; nothing to do on local storage."""
+        """Remove the local folder of :meth:`local_log_dir` (remote storage) when the run ends
+        before its first attempt; nothing to do on local storage."""
         if not is_local(self.filesystem):
-            shutil.rmtree(local_dir, ignore_errors=True)
+            local_logs.remove_local_log_dir(local_dir)
 
     def upload_logs(self, local_dir: str) -> None:
         """Copy worker logs from a local folder into the run folder's ``logs/`` (remote storage)."""
@@ -243,7 +251,7 @@ class RunStorage:
             upload_with_checksums(
                 local_dir, self.filesystem, self.path_of("logs"), self.retry, checksums=False, operation="upload_logs"
             )
-            shutil.rmtree(local_dir, ignore_errors=True)
+            local_logs.remove_local_log_dir(local_dir)
 
     # -- the record and the report history ----------------------------------------------------
 

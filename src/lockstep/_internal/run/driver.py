@@ -120,6 +120,8 @@ class RunDriver:
             check_storage_path(storage_path, self.storage)
             recorder = RunRecorder(self.storage, self.run_config.checkpoint_config, self.scaling.max_workers, executor)
             recorder.check_resumable()
+            if recorder.earlier_record is not None:  # a rerun appends to the run's logs, on any storage
+                self.storage.take_in_earlier_logs(self.log_dir, recorder.earlier_record.get("driver"))
             recorder.open({"config": self.config, "metrics_url": exporter.url if exporter is not None else None})
         return recorder
 

@@ -99,6 +99,11 @@ class RunRecorder:
         for step_times in timed[-RECENT_REPORTS:]:
             self.slow_ranks.add(step_times)
 
+    @property
+    def earlier_record(self) -> dict[str, Any] | None:
+        """The record of the earlier run of this name found in storage (None: a new run)."""
+        return self._earlier
+
     def check_resumable(self) -> None:
         """Refuse to continue a run whose record names a checkpoint that is gone.
 
