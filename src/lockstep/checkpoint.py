@@ -88,8 +88,13 @@ class Checkpoint:
         """
         destination = os.fspath(path) if path is not None else filesystems.make_temp_dir("lockstep_checkpoint_")
         os.makedirs(destination, exist_ok=True)
-        filesystems.download_directory(self.filesystem, self.path, destination)
-        self._verify(destination)
+        try:
+            filesystems.download_directory(self.filesystem, self.path, destination)
+            self._verify(destination)
+        except BaseException:
+            if path is None:  # a folder of ours that nobody will get to remove
+                shutil.rmtree(destination, ignore_errors=True)
+            raise
         return destination
 
     @contextlib.contextmanager

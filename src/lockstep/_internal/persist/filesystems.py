@@ -28,6 +28,11 @@ def use_retry_by_default(retry: StorageRetry) -> None:
     _DEFAULT_RETRY = retry
 
 
+def default_retry() -> StorageRetry:
+    """The retry of this process's storage reads that name no run (see :func:`use_retry_by_default`)."""
+    return _DEFAULT_RETRY
+
+
 def resolve_filesystem(path: str | os.PathLike[str], filesystem: Any = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Turn a local path or URI (``s3://…``) into ``(filesystem, path on that filesystem)``.
 

@@ -26,6 +26,7 @@ listed; files added to the folder later are not checked.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from typing import Any
 import fsspec
 
 from lockstep._internal.persist.checksums import ALGORITHM, ALGORITHMS, checksum_of_file, checksum_of_stream, shown
-from lockstep._internal.persist.filesystems import is_local, is_object_store, join
+from lockstep._internal.persist.filesystems import default_retry, is_local, is_object_store, join, shown_path
 from lockstep.errors import CheckpointCorruptedError
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,8 @@ def read_manifest(filesystem: fsspec.AbstractFileSystem, folder: str) -> dict[st
         return None
     target = manifest_path(folder)
     try:
-        data = filesystem.cat_file(target)
+        read = functools.partial(filesystem.cat_file, target)
+        data = default_retry().call("download_checkpoint", shown_path(filesystem, target), read)
     except FileNotFoundError:
         return None
     try:

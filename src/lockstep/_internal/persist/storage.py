@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 RECORD_FILE = "lockstep_run.json"
 REPORTS_FILE = "reports.jsonl"
-RESERVED_NAMES = frozenset({RECORD_FILE, REPORTS_FILE, MANIFEST_DIR})
+RESERVED_NAMES = frozenset({RECORD_FILE, REPORTS_FILE, MANIFEST_DIR, "logs"})
 RECORD_FORMAT_VERSION = 1
 DEFAULT_CHECKPOINT_NAME = re.compile(r"^checkpoint_\d{6,}$")
 
@@ -198,19 +198,18 @@ class RunStorage:
 
         self.retry.call("delete_checkpoint", shown_path(self.filesystem, path), delete)
 
-    def delete_unfinished_checkpoints(self, committed: set[str]) -> list[str]:
-        """Delete folders named like lockstep's checkpoints that the record doesn't name
-        (writes a crash cut short). Folders with other names are left alone."""
+    def checkpoint_folders(self) -> list[str]:
+        """The names of the run folder's entries named like lockstep's checkpoints."""
         self.refresh()
         if not self.filesystem.exists(self.run_path):
             return []
-        unfinished = [
-            name
-            for name in (
-                entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.filesystem.ls(self.run_path, detail=False)
-            )
-            if DEFAULT_CHECKPOINT_NAME.match(name) and name not in committed
-        ]
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.filesystem.ls(self.run_path, detail=False))
+        return sorted(name for name in names if DEFAULT_CHECKPOINT_NAME.match(name))
+
+    def delete_unfinished_checkpoints(self, committed: set[str]) -> list[str]:
+        """Delete folders named like lockstep's checkpoints that the record doesn't name
+        (writes a crash cut short). Folders with other names are left alone."""
+        unfinished = [name for name in self.checkpoint_folders() if name not in committed]
         for name in unfinished:
             self.delete_checkpoint(name)
         return unfinished

@@ -20,7 +20,7 @@ from lockstep._internal.persist.outages import RECORD_KEY as OUTAGES_KEY
 from lockstep._internal.persist.outages import add_outage
 from lockstep._internal.persist.results import error_to_record, result_fields
 from lockstep._internal.persist.retry import Outage
-from lockstep._internal.persist.storage import RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
+from lockstep._internal.persist.storage import RECORD_FILE, RECORD_FORMAT_VERSION, CheckpointEntry, RunStorage
 from lockstep._internal.run.checkpoints import (
     PENDING_VALIDATION,
     awaiting_validation,
@@ -105,11 +105,24 @@ class RunRecorder:
         return self._earlier
 
     def check_resumable(self) -> None:
-        """Refuse to continue a run whose record names a checkpoint that is gone.
+        """Refuse to continue a run whose record names a checkpoint that is gone, and to start
+        one in a folder of checkpoints that no record names (not a lockstep run, or its record
+        was deleted: starting would delete them as unfinished writes, or mix files into them).
 
         Raises:
-            ValueError: the latest checkpoint's folder is missing.
+            ValueError: the latest checkpoint's folder is missing, or checkpoint folders lie in
+                a run folder without a record.
         """
+        if self._earlier is None:
+            strays = self.storage.checkpoint_folders()
+            if strays:
+                raise ValueError(
+                    f"{self.storage.display_path} holds checkpoint folders ({', '.join(strays[:3])}"
+                    f"{', ...' if len(strays) > 3 else ''}) but no run record ({RECORD_FILE}): it is not a lockstep "
+                    "run, or its record was deleted. Choose another RunConfig.name (or storage_path), or move those "
+                    "folders away; a new run can start from one of them with "
+                    "TorchTrainer(resume_from_checkpoint=Checkpoint(path))."
+                )
         latest = self.latest_checkpoint
         if latest is None:
             return
