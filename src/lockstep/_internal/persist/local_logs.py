@@ -26,13 +26,13 @@ import os
 import shutil
 import socket
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lockstep._internal.persist.filesystems import download_directory, join
+import fsspec
+
+from lockstep._internal.persist.filesystems import download_directory
+from lockstep._internal.persist.retry import StorageRetry
 from lockstep._internal.persist.transfer import upload_with_checksums
-
-if TYPE_CHECKING:
-    from lockstep._internal.persist.storage import RunStorage
 
 __all__ = ["LOCAL_LOGS_PREFIX", "OWNER_FILE", "bring_home_left_logs", "fetch_earlier_logs", "new_local_log_dir"]
 
@@ -60,32 +60,35 @@ def remove_local_log_dir(log_dir: str) -> None:
     shutil.rmtree(os.path.dirname(log_dir) if _is_owned(log_dir) else log_dir, ignore_errors=True)
 
 
-def fetch_earlier_logs(storage: RunStorage, log_dir: str) -> None:
-    """Copy the logs the run folder already holds into ``log_dir``, where this run appends to them."""
-    remote = storage.path_of(_LOGS)
-    if storage.retry.call("download_logs", storage.display_path, lambda: storage.filesystem.isdir(remote)):
-        download_directory(storage.filesystem, remote, log_dir, storage.retry, operation="download_logs")
+def fetch_earlier_logs(
+    filesystem: fsspec.AbstractFileSystem, remote_logs: str, log_dir: str, retry: StorageRetry, shown: str
+) -> None:
+    """Copy the logs the run folder already holds (``remote_logs`` on ``filesystem``; ``shown``:
+    the run as messages name it) into ``log_dir``, where this run appends to them."""
+    if retry.call("download_logs", shown, lambda: filesystem.isdir(remote_logs)):
+        download_directory(filesystem, remote_logs, log_dir, retry, operation="download_logs")
 
 
-def bring_home_left_logs(storage: RunStorage, last_driver: dict[str, Any] | None) -> None:
-    """Copy into the run folder the logs of the run's last driver (``last_driver``: the record's
-    ``{"host", "pid"}``) when it was killed on this host and left its local folder, and remove
-    that folder. A copy that fails is logged, and the folder stays for the next start."""
-    for folder in _left_folders(storage.display_path, last_driver):
+def bring_home_left_logs(
+    filesystem: fsspec.AbstractFileSystem,
+    remote_logs: str,
+    retry: StorageRetry,
+    shown: str,
+    last_driver: dict[str, Any] | None,
+) -> None:
+    """Copy into the run folder's logs (``remote_logs``) the logs of the run's last driver
+    (``last_driver``: the record's ``{"host", "pid"}``) when it was killed on this host and left its
+    local folder, and remove that folder. A copy that fails is logged, and the folder stays for
+    the next start. ``shown``: the run folder as messages name it (and as owner files record it)."""
+    for folder in _left_folders(shown, last_driver):
         try:
             upload_with_checksums(
-                os.path.join(folder, _LOGS),
-                storage.filesystem,
-                join(storage.run_path, _LOGS),
-                storage.retry,
-                checksums=False,
-                operation="upload_logs",
+                os.path.join(folder, _LOGS), filesystem, remote_logs, retry, checksums=False, operation="upload_logs"
             )
         except OSError as error:
-            shown = storage.display_path
             logger.warning("The logs a killed driver left in %s could not be copied to %s: %s", folder, shown, error)
             continue
-        logger.info("Copied the logs a killed driver of this run left in %s to %s.", folder, storage.display_path)
+        logger.info("Copied the logs a killed driver of this run left in %s to %s.", folder, shown)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -235,8 +235,9 @@ class RunStorage:
         record's ``driver``) left on this host when it was killed into the run folder, then fetch
         the run folder's logs into ``local_dir``, where this run appends to them as on local disk."""
         if not is_local(self.filesystem):
-            local_logs.bring_home_left_logs(self, last_driver)
-            local_logs.fetch_earlier_logs(self, local_dir)
+            where = {"filesystem": self.filesystem, "remote_logs": self.path_of("logs"), "retry": self.retry}
+            local_logs.bring_home_left_logs(**where, shown=self.display_path, last_driver=last_driver)
+            local_logs.fetch_earlier_logs(**where, log_dir=local_dir, shown=self.display_path)
 
     def discard_local_logs(self, local_dir: str) -> None:
         """Remove the local folder of :meth:`local_log_dir` (remote storage) when the run ends
