@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from lockstep._internal.metric_names import metric_value
 from lockstep._internal.persist.results import result_fields
 from lockstep._internal.persist.storage import RunStorage
 from lockstep.checkpoint import Checkpoint
@@ -61,14 +62,16 @@ class Result:
         return pandas.DataFrame(self.metrics_history)
 
     def get_best_checkpoint(self, metric: str, mode: Literal["max", "min"]) -> Checkpoint | None:
-        """The kept checkpoint whose reported ``metric`` is highest (``"max"``) or lowest (``"min"``).
+        """The kept checkpoint whose reported ``metric`` is highest (``"max"``) or lowest (``"min"``);
+        a nested metric is named by its path (``"val/acc"``).
 
         Raises:
             ValueError: ``mode`` is not max/min, or no kept checkpoint reported ``metric``.
         """
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
-        scored = [(metrics[metric], ckpt) for ckpt, metrics in self.best_checkpoints if metric in metrics]
+        values = [(metric_value(metrics, metric), ckpt) for ckpt, metrics in self.best_checkpoints]
+        scored = [(value, ckpt) for value, ckpt in values if value is not None]
         if not scored:
             if not self.best_checkpoints:
                 return None

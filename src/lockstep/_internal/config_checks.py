@@ -172,11 +172,16 @@ def check_stop(stop: Any) -> None:
 
 
 def check_placement(scaling: Any) -> None:
-    """``ScalingConfig``: GPUs asked for only with ``use_gpu``; a known placement strategy."""
+    """``ScalingConfig``: GPUs asked for with ``use_gpu`` and only with it; a known placement strategy."""
     if scaling.resources_per_worker and not scaling.use_gpu and scaling.resources_per_worker.get("GPU", 0) > 0:
         raise ValueError(
             "ScalingConfig.resources_per_worker asks for GPUs but use_gpu=False: "
             "set use_gpu=True, or remove 'GPU' from resources_per_worker."
+        )
+    if scaling.resources_per_worker and scaling.use_gpu and scaling.resources_per_worker.get("GPU", 1) == 0:
+        raise ValueError(
+            "ScalingConfig(use_gpu=True) but resources_per_worker gives each worker 'GPU': 0: "
+            "set use_gpu=False, or ask for a positive number of GPUs per worker."
         )
     if scaling.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ValueError(

@@ -2,8 +2,10 @@
 
 A :class:`ResumableDataLoader` is a ``DataLoader`` over a ``DistributedSampler`` that
 
-* starts the sampler's next epoch by itself on each new pass (each ``iter(loader)``) unless the
-  caller chose the epoch with ``loader.sampler.set_epoch(e)`` since the last pass, and
+* starts the sampler's next epoch by itself on each new pass (each ``iter(loader)``) after a
+  pass that ran to its end, unless the caller chose the epoch with ``loader.sampler.set_epoch(e)``
+  since the last pass (a pass left early, such as one rank's peek at a batch, is started over in
+  its epoch: the ranks' epochs never drift apart by how often each one iterates), and
 * remembers the epoch and how many batches of it were handed out, so that
   ``state_dict()`` / ``load_state_dict()`` let a restarted run continue the epoch where its
   checkpoint was taken: each sample once, in the order of an uninterrupted run.
@@ -167,6 +169,8 @@ class ResumableDataLoader(DataLoader):
             return _resumed_pass(restored, chosen)
         if chosen is not None or self._passes == 0:
             return self._distributed.epoch, 0
+        if not self._finished:  # left before its end (a peek at a batch, a break): start its epoch over
+            return self._epoch, 0
         return self._epoch + 1, 0
 
     def state_dict(self, held_back: int = 0) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 
 import torch.distributed as dist
@@ -28,7 +29,8 @@ INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class ProcessGroupStartError(RuntimeError):
-    """This rank could not join the process group within the start timeout."""
+    """This rank could not join the process group: not within the start timeout, or not at all (a
+    backend this machine or this build of torch lacks)."""
 
 
 def join_process_group(
@@ -72,6 +74,12 @@ def _prefixed_store(timeout: datetime.timedelta) -> dist.Store | None:
 
 def describe_start_failure(rank: int, world_size: int, start_timeout_s: float, error: BaseException) -> str:
     """What went wrong when ``rank`` tried to join, what it advertised, and what to do."""
+    if not _network_failure(error):
+        return (
+            f"rank {rank} of {world_size} could not start its process group: {type(error).__name__}: "
+            f"{_first_line(error)}\nThis is not a network problem: check TorchConfig(backend=...) (gloo runs on "
+            "CPUs, nccl needs a GPU per worker: ScalingConfig(use_gpu=True)) and that this build of torch has it."
+        )
     master = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return (
         f"rank {rank} of {world_size} could not join the process group within {start_timeout_s:g} s "
@@ -81,6 +89,18 @@ def describe_start_failure(rank: int, world_size: int, start_timeout_s: float, e
         "hosts (see `ip addr`), check that no firewall blocks the ports between them, or give slow-starting "
         "ranks more time with TorchConfig(start_timeout_s=...)."
     )
+
+
+#: Words of torch's errors for a backend it can't start at all (no network involved).
+_NOT_NETWORK = re.compile(r"built in|not supported|only supported|no gpus found|invalid backend|unknown backend", re.I)
+
+
+def _network_failure(error: BaseException) -> bool:
+    """Whether ``error`` may come from ranks not reaching each other (timeouts, refused or reset
+    connections), rather than from a backend that can't start on this machine at all."""
+    if isinstance(error, (ValueError, TypeError, NotImplementedError)):
+        return False
+    return not _NOT_NETWORK.search(str(error))
 
 
 def advertised_address() -> str:

@@ -142,7 +142,11 @@ def _sharded(loader: DataLoader, add_dist_sampler: bool) -> DataLoader:
         return _with_distributed_sampler(loader, rank, world_size)
     if _resumable_as_it_is(loader):
         return ResumableDataLoader(loader.dataset, sampler=loader.sampler, **_loader_settings(loader))
-    if _reproducible_seed is not None and loader.batch_size is not None:
+    if (
+        _reproducible_seed is not None
+        and loader.batch_size is not None
+        and not isinstance(loader.dataset, IterableDataset)
+    ):
         return DataLoader(loader.dataset, sampler=loader.sampler, **_loader_settings(loader))
     return loader
 

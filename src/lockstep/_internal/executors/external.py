@@ -40,6 +40,7 @@ from lockstep._internal.executors.torchrun_store import (
     rendezvous_store,
     shared_run_name,
 )
+from lockstep._internal.rank.devices import gpu_of_local_rank
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.rank.session_state import current_session
 from lockstep._internal.rank.worker import run_to_outcome
@@ -164,7 +165,7 @@ class ExternalExecutor(Executor):
             launch.rank_env,
             store_is_hosted=True,
             store_prefix=launch.key("pg"),
-            gpu_ids=(str(launch.rank_env.local_rank),) if self.use_gpu else (),
+            gpu_ids=(gpu_of_local_rank(launch.rank_env.local_rank),) if self.use_gpu else (),
         )
         os.environ.update(rank_env.variables())
         channel = connect_to_driver(launch.rank, channel_env)

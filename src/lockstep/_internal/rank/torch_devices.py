@@ -4,7 +4,8 @@ the backend's set-up use them without importing the trainer."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -46,10 +47,23 @@ def _map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -
     if isinstance(batch, torch.Tensor):
         return function(batch)
     if isinstance(batch, Mapping):
-        rebuilt: Callable[[dict[Any, Any]], Any] = type(batch)
-        return rebuilt({key: _map_tensors(value, function) for key, value in batch.items()})
+        return _rebuilt_mapping(batch, {key: _map_tensors(value, function) for key, value in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_map_tensors(item, function) for item in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_map_tensors(item, function) for item in batch)
     return batch
+
+
+def _rebuilt_mapping(batch: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """A mapping of ``batch``'s type holding ``items``: built from them when the type takes a
+    dict, else a copy of ``batch`` refilled (a ``defaultdict`` keeps its default), else a dict."""
+    try:
+        return type(batch)(items)  # type: ignore[call-arg]
+    except TypeError:
+        if isinstance(batch, MutableMapping):
+            refilled = copy.copy(batch)
+            refilled.clear()
+            refilled.update(items)
+            return refilled
+        return items

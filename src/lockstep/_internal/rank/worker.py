@@ -58,6 +58,7 @@ def answer_stack_requests() -> None:
     fd = os.environ.get(ENV_STACK_FD)
     if fd:
         global _stack_file
+        os.set_inheritable(int(fd), False)  # the rank's own subprocesses have no use for it
         _stack_file = os.fdopen(int(fd), "w")  # must stay open for the signal handler
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
 

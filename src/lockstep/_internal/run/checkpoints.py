@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lockstep._internal.metric_names import metric_value
 from lockstep._internal.persist.storage import CheckpointEntry
 from lockstep.config import CheckpointConfig
 
@@ -51,12 +52,19 @@ def checkpoints_to_delete(entries: list[CheckpointEntry], config: CheckpointConf
     return [entry for entry in entries if entry not in kept and not awaiting_validation(entry)]
 
 
+def unscored(entry: CheckpointEntry, config: CheckpointConfig) -> bool:
+    """Whether ``config`` ranks by a score attribute that ``entry``'s metrics lack (or that is
+    not a number): such a checkpoint ranks last, and retention deletes it first."""
+    return config.checkpoint_score_attribute is not None and _score(entry, config) == -math.inf
+
+
 def _score(entry: CheckpointEntry, config: CheckpointConfig) -> float:
     """Higher is better; a checkpoint without the metric ranks last; without a score attribute
-    every checkpoint scores the same (so report order decides)."""
+    every checkpoint scores the same (so report order decides). A nested metric is named by its
+    path, ``"val/acc"``, as Ray Train names it."""
     if config.checkpoint_score_attribute is None:
         return 0.0
-    value: Any = entry.metrics.get(config.checkpoint_score_attribute)
+    value: Any = metric_value(entry.metrics, config.checkpoint_score_attribute)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
         return -math.inf
     return float(value) if config.checkpoint_score_order == "max" else -float(value)

@@ -26,6 +26,7 @@ from lockstep._internal.run.checkpoints import (
     awaiting_validation,
     best_checkpoints,
     checkpoints_to_delete,
+    unscored,
 )
 from lockstep._internal.run.stragglers import RECENT_REPORTS, SlowRankWatch, keeps_step_times
 from lockstep.checkpoint import Checkpoint
@@ -93,6 +94,7 @@ class RunRecorder:
         self._log = storage.open_report_log([json.dumps(report) for report in self.reports])
         self._write_lock = threading.Lock()
         self._last_write = 0.0
+        self._warned_unscored = False
         # per-rank step times stay in reports.jsonl; in memory only the slow-rank rule's reading of them
         self.slow_ranks = SlowRankWatch()
         timed = [report.pop("step_times") for report in self.reports if report.get("step_times")]
@@ -253,6 +255,15 @@ class RunRecorder:
         if validation is not None:
             entry = replace(entry, validation=PENDING_VALIDATION, validation_request=validation)
         self.checkpoints = [known for known in self.checkpoints if known.dir_name != dir_name] + [entry]
+        if validation is None and unscored(entry, self.checkpoint_config) and not self._warned_unscored:
+            self._warned_unscored = True
+            logger.warning(
+                "checkpoint_score_attribute=%r is not a number among the metrics of %s (%s): it ranks last, and "
+                "num_to_keep deletes it first. Report that metric with every checkpoint.",
+                self.checkpoint_config.checkpoint_score_attribute,
+                dir_name,
+                ", ".join(sorted(metrics)) or "none",
+            )
         self._write_and_retain()
         logger.debug("committed %s", dir_name)
         return entry

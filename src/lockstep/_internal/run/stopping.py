@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lockstep._internal.metric_names import flat_metrics
 from lockstep._internal.output.progress import log_clear_of_line
 from lockstep.callbacks import Callback, RunInfo, StopRequest
 from lockstep.errors import WorkerFailure
@@ -69,17 +70,6 @@ class StopCondition(Callback):
                 key,
                 ", ".join(sorted(values)),
             )
-
-
-def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``metrics`` with nested dicts flattened to ``"outer/inner"`` keys (Ray Tune's naming)."""
-    flat: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if isinstance(value, Mapping):
-            flat.update(flat_metrics(value, f"{prefix}{key}/"))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class Stopping:
