@@ -87,8 +87,15 @@ from typing import Any
 
 from jobrunner import JOBS, REPO, RunResult, Variant, job_command, run_job  # noqa: E402 - script folder
 from machine import describe_machine, machine_line  # noqa: E402
-from record import (Goal, add_results_args, bootstrap_ci, goals_markdown, paired_ratios,  # noqa: E402
-                    ratio_goal, write_result)
+from record import (  # noqa: E402
+    Goal,
+    add_results_args,
+    bootstrap_ci,
+    goals_markdown,
+    paired_ratios,
+    ratio_goal,
+    write_result,
+)
 
 from lockstep._internal import start_hook  # noqa: E402
 
@@ -122,8 +129,10 @@ def variants(ray: bool, one_worker: bool, torchrun: bool = True, launcher: bool 
     return found
 
 
-REFIT_VARIANTS = [Variant("import_torch", 'python -c "import torch"', "plain"),
-                  Variant("refit", "lockstep, fit() after fit() in one process", "lockstep")]
+REFIT_VARIANTS = [
+    Variant("import_torch", 'python -c "import torch"', "plain"),
+    Variant("refit", "lockstep, fit() after fit() in one process", "lockstep"),
+]
 
 
 def rotated(items: list[Any], by: int) -> list[Any]:
@@ -144,12 +153,27 @@ def refit_command(variant: Variant, args: argparse.Namespace, storage: Path) -> 
     """``python -c "import torch"``, or the driver that calls fit() ``--refits`` times."""
     if variant.key == "import_torch":
         return [sys.executable, "-c", "import torch"], dict(os.environ)
-    return ([sys.executable, str(JOBS / "refit_lockstep.py"), "--num-workers=2", f"--fits={args.refits}",
-             f"--storage-path={storage}"], dict(os.environ))
+    return (
+        [
+            sys.executable,
+            str(JOBS / "refit_lockstep.py"),
+            "--num-workers=2",
+            f"--fits={args.refits}",
+            f"--storage-path={storage}",
+        ],
+        dict(os.environ),
+    )
 
 
-def measure(section: str, job: str, job_args: dict[str, list[str]], todo: list[Variant], args: argparse.Namespace,
-            work: Path, sample_rss: bool) -> dict[str, list[RunResult]]:
+def measure(
+    section: str,
+    job: str,
+    job_args: dict[str, list[str]],
+    todo: list[Variant],
+    args: argparse.Namespace,
+    work: Path,
+    sample_rss: bool,
+) -> dict[str, list[RunResult]]:
     """``args.repeats`` interleaved runs of every variant of one section (``job_args`` per variant)."""
     runs: dict[str, list[RunResult]] = {variant.key: [] for variant in todo}
     for repeat in range(args.repeats):
@@ -167,15 +191,21 @@ def measure(section: str, job: str, job_args: dict[str, list[str]], todo: list[V
                 detail += f", peak RSS {result.peak_rss / MIB:.0f} MiB"
             for name, values in result.data.items():
                 detail += f", {name} p50 {percentile(values, 50) * 1e3:.3f} ms"
-            print(f"[{section} {repeat + 1}/{args.repeats}] {variant.label}: {result.wall_s:.2f} s{detail}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{section} {repeat + 1}/{args.repeats}] {variant.label}: {result.wall_s:.2f} s{detail}",
+                file=sys.stderr,
+                flush=True,
+            )
             shutil.rmtree(work / "runs", ignore_errors=True)
     return runs
 
 
 #: How the lockstep job is started: the variant's key, and its name in the goals.
-LOCKSTEP_LAUNCHES = {"lockstep": "lockstep (python job.py)", "lockstep_run": "lockstep run job.py",
-                     HOOKED: "python job.py with the start hook"}
+LOCKSTEP_LAUNCHES = {
+    "lockstep": "lockstep (python job.py)",
+    "lockstep_run": "lockstep run job.py",
+    HOOKED: "python job.py with the start hook",
+}
 
 
 @contextlib.contextmanager
@@ -191,21 +221,31 @@ def start_hook_for(variant: Variant) -> Iterator[None]:
         start_hook.remove()
 
 
-def launch_goals(section: str, key: str, how: str, runs: dict[str, list[RunResult]],
-                 summary: dict[str, Any]) -> list[Goal]:
+def launch_goals(
+    section: str, key: str, how: str, runs: dict[str, list[RunResult]], summary: dict[str, Any]
+) -> list[Goal]:
     """The goals of one way of starting lockstep's job (``key``) against torchrun and Ray Train;
     the ratios also go into ``summary`` (``<key>_over_torchrun``, ``<key>_over_ray``)."""
     job = "seed 003's job" if section == "e2e" else "no-op job"
-    goal = ratio_goal(f"{job}, {how} / torchrun + DDP", walls(runs[key]), walls(runs["torchrun"]),
-                      E2E_GOAL if section == "e2e" else STARTUP_GOAL)
+    goal = ratio_goal(
+        f"{job}, {how} / torchrun + DDP",
+        walls(runs[key]),
+        walls(runs["torchrun"]),
+        E2E_GOAL if section == "e2e" else STARTUP_GOAL,
+    )
     goals = [goal]
     summary[f"{key}_over_torchrun"] = goal.value
     if section == "e2e":
-        goals.append(Goal(f"{job}, {how} / torchrun + DDP (stretch)", goal.statistic, goal.value, E2E_STRETCH,
-                          ci95=goal.ci95))
+        goals.append(
+            Goal(f"{job}, {how} / torchrun + DDP (stretch)", goal.statistic, goal.value, E2E_STRETCH, ci95=goal.ci95)
+        )
     if "ray" in runs:
-        ray_goal = ratio_goal(f"{job}, {how} / Ray Train", walls(runs[key]), walls(runs["ray"]),
-                              E2E_RAY_GOAL if section == "e2e" else float("inf"))
+        ray_goal = ratio_goal(
+            f"{job}, {how} / Ray Train",
+            walls(runs[key]),
+            walls(runs["ray"]),
+            E2E_RAY_GOAL if section == "e2e" else float("inf"),
+        )
         summary[f"{key}_over_ray"] = ray_goal.value
         if section == "e2e":
             goals.append(ray_goal)
@@ -241,14 +281,17 @@ def summarize(raw: dict[str, dict[str, list[RunResult]]]) -> tuple[dict[str, Any
                 goals += launch_goals(section, key, how, runs, summary[section])
         if section == "e2e":
             summary[section]["rss"] = {
-                key: {"peak_total_median_bytes": statistics.median(r.peak_rss or 0 for r in results),
-                      "peak_root_median_bytes": statistics.median(r.peak_root_rss or 0 for r in results),
-                      "processes": max(r.peak_processes or 0 for r in results)}
+                key: {
+                    "peak_total_median_bytes": statistics.median(r.peak_rss or 0 for r in results),
+                    "peak_root_median_bytes": statistics.median(r.peak_root_rss or 0 for r in results),
+                    "processes": max(r.peak_processes or 0 for r in results),
+                }
                 for key, results in runs.items()
             }
             if "lockstep_1w" in runs:
                 summary[section]["two_over_one_worker"] = statistics.median(
-                    paired_ratios(walls(runs["lockstep"]), walls(runs["lockstep_1w"])))
+                    paired_ratios(walls(runs["lockstep"]), walls(runs["lockstep_1w"]))
+                )
     if "report" in raw:
         rows = {}
         for key, results in raw["report"].items():
@@ -262,36 +305,62 @@ def summarize(raw: dict[str, dict[str, list[RunResult]]]) -> tuple[dict[str, Any
                 "max_s": max(max(r.data[name]) for r in results),
             }
         p50s = [value * 1e3 for value in rows["lockstep"]["p50_runs_s"]]
-        goals.append(Goal("lockstep report() p50", f"median over {len(p50s)} runs of each run's p50 "
-                          f"({rows['lockstep']['calls']} calls per run, rank 0)", statistics.median(p50s),
-                          REPORT_P50_GOAL_S * 1e3, unit="ms", ci95=bootstrap_ci(p50s)))
+        goals.append(
+            Goal(
+                "lockstep report() p50",
+                f"median over {len(p50s)} runs of each run's p50 ({rows['lockstep']['calls']} calls per run, rank 0)",
+                statistics.median(p50s),
+                REPORT_P50_GOAL_S * 1e3,
+                unit="ms",
+                ci95=bootstrap_ci(p50s),
+            )
+        )
         summary["report"] = {"rows": rows}
     if "refit" in raw:
         runs = raw["refit"]
         later = [later_fits(result) for result in runs["refit"]]
-        goal = ratio_goal('a later no-op fit() (2 workers) / python -c "import torch"', later,
-                          walls(runs["import_torch"]), REFIT_GOAL)
-        goals.append(Goal(goal.name, goal.statistic + " (each round: the median of the fits after the first in "
-                          "one driver, over the import measured in the same round)", goal.value, goal.limit,
-                          ci95=goal.ci95))
-        summary["refit"] = {"import_torch": wall_stats(runs["import_torch"]),
-                            "fits_s": [result.data["fit_s"] for result in runs["refit"]],
-                            "later_fit_median_s": statistics.median(later), "ratio": goal.value}
+        goal = ratio_goal(
+            'a later no-op fit() (2 workers) / python -c "import torch"', later, walls(runs["import_torch"]), REFIT_GOAL
+        )
+        goals.append(
+            Goal(
+                goal.name,
+                goal.statistic + " (each round: the median of the fits after the first in "
+                "one driver, over the import measured in the same round)",
+                goal.value,
+                goal.limit,
+                ci95=goal.ci95,
+            )
+        )
+        summary["refit"] = {
+            "import_torch": wall_stats(runs["import_torch"]),
+            "fits_s": [result.data["fit_s"] for result in runs["refit"]],
+            "later_fit_median_s": statistics.median(later),
+            "ratio": goal.value,
+        }
     return summary, goals
 
 
 # -- output ------------------------------------------------------------------------------------
 
 
-def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespace, info: dict[str, str],
-             command: str, labels: dict[str, str], ray: bool) -> str:
+def markdown(
+    summary: dict[str, Any],
+    goals: list[Goal],
+    args: argparse.Namespace,
+    info: dict[str, str],
+    command: str,
+    labels: dict[str, str],
+    ray: bool,
+) -> str:
     """The results as markdown tables, with the machine and the command."""
     images = f"first {args.e2e_limit:,} training images" if args.e2e_limit else "60,000 training images"
     lines = [
         machine_line(info),
         f"Command: `{command}`",
         f"{args.repeats} interleaved round(s); whole-process wall time (launch to exit); 2 workers "
-        f"unless said" + (f"; e2e = seed 003's MLP job, {images}, 1 epoch + validation on 10,000." if "e2e" in summary else "."),
+        f"unless said"
+        + (f"; e2e = seed 003's MLP job, {images}, 1 epoch + validation on 10,000." if "e2e" in summary else "."),
         "Ray Train: installed, measured." if ray else "Ray Train: not installed, not measured.",
         "",
     ]
@@ -299,33 +368,50 @@ def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespac
         lines += ["| job | launcher | wall median (s) | min (s) | max (s) |", "|---|---|---:|---:|---:|"]
         for section in ("e2e", "startup"):
             for key, row in summary.get(section, {}).get("rows", {}).items():
-                lines.append(f"| {section} | {labels[key]} | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['max_s']:.2f} |")
+                lines.append(
+                    f"| {section} | {labels[key]} | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['max_s']:.2f} |"
+                )
         lines.append("")
     if "e2e" in summary:
         e2e = summary["e2e"]
         if "two_over_one_worker" in e2e:
-            lines += [f"lockstep e2e, 2 workers / 1 worker (batch 64), median of paired rounds: "
-                      f"{e2e['two_over_one_worker']:.2f}", ""]
-        lines += ["| e2e peak RSS (sampled every 0.2 s) | driver + workers, sum (MiB) | driver / launcher alone (MiB) | processes |",
-                  "|---|---:|---:|---:|"]
+            lines += [
+                f"lockstep e2e, 2 workers / 1 worker (batch 64), median of paired rounds: "
+                f"{e2e['two_over_one_worker']:.2f}",
+                "",
+            ]
+        lines += [
+            "| e2e peak RSS (sampled every 0.2 s) | driver + workers, sum (MiB) "
+            "| driver / launcher alone (MiB) | processes |",
+            "|---|---:|---:|---:|",
+        ]
         for key, row in e2e["rss"].items():
-            lines.append(f"| {labels[key]} | {row['peak_total_median_bytes'] / MIB:.0f} | "
-                         f"{row['peak_root_median_bytes'] / MIB:.0f} | {row['processes']} |")
+            lines.append(
+                f"| {labels[key]} | {row['peak_total_median_bytes'] / MIB:.0f} | "
+                f"{row['peak_root_median_bytes'] / MIB:.0f} | {row['processes']} |"
+            )
         lines.append("")
     if "report" in summary:
-        lines += ["| metrics-only calls, rank 0, 2 workers | operation | calls per run | p50 (ms) | p99 (ms) | max (ms) |",
-                  "|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "| metrics-only calls, rank 0, 2 workers | operation | calls per run | p50 (ms) | p99 (ms) | max (ms) |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for key, row in summary["report"]["rows"].items():
             note = " (for comparison, not a report)" if key == "torchrun" else ""
-            lines.append(f"| {labels[key]} | {row['op']}{note} | {row['calls']} | {row['p50_s'] * 1e3:.3f} | "
-                         f"{row['p99_s'] * 1e3:.3f} | {row['max_s'] * 1e3:.2f} |")
+            lines.append(
+                f"| {labels[key]} | {row['op']}{note} | {row['calls']} | {row['p50_s'] * 1e3:.3f} | "
+                f"{row['p99_s'] * 1e3:.3f} | {row['max_s'] * 1e3:.2f} |"
+            )
         lines.append("")
     if "refit" in summary:
         refit = summary["refit"]
         fits = "; ".join(", ".join(f"{value:.2f}" for value in run) for run in refit["fits_s"])
-        lines += [f'`python -c "import torch"`: median {refit["import_torch"]["median_s"]:.2f} s; '
-                  f"no-op fit() calls in one driver, per round (s): {fits}; later fits, median "
-                  f"{refit['later_fit_median_s']:.2f} s.", ""]
+        lines += [
+            f'`python -c "import torch"`: median {refit["import_torch"]["median_s"]:.2f} s; '
+            f"no-op fit() calls in one driver, per round (s): {fits}; later fits, median "
+            f"{refit['later_fit_median_s']:.2f} s.",
+            "",
+        ]
     lines.append(goals_markdown(goals))
     return "\n".join(lines)
 
@@ -336,29 +422,54 @@ def headline(summary: dict[str, Any]) -> list[dict[str, str]]:
     for key, how in LOCKSTEP_LAUNCHES.items():
         if key in summary.get("e2e", {}).get("rows", {}):
             e2e = summary["e2e"]["rows"]
-            rows.append({"what": f"seed 003's job, 1 epoch, whole process, {how}",
-                         "lockstep": f"{e2e[key]['median_s']:.2f} s",
-                         "compared_with": f"torchrun + hand-written DDP {e2e['torchrun']['median_s']:.2f} s",
-                         "ratio": f"{summary['e2e'][f'{key}_over_torchrun']:.3f} (goal <= {E2E_GOAL})"})
+            rows.append(
+                {
+                    "what": f"seed 003's job, 1 epoch, whole process, {how}",
+                    "lockstep": f"{e2e[key]['median_s']:.2f} s",
+                    "compared_with": f"torchrun + hand-written DDP {e2e['torchrun']['median_s']:.2f} s",
+                    "ratio": f"{summary['e2e'][f'{key}_over_torchrun']:.3f} (goal <= {E2E_GOAL})",
+                }
+            )
             if "ray" in e2e:
-                rows.append({"what": f"seed 003's job, whole process, {how}", "lockstep": f"{e2e[key]['median_s']:.2f} s",
-                             "compared_with": f"Ray Train {e2e['ray']['median_s']:.2f} s",
-                             "ratio": f"{summary['e2e'][f'{key}_over_ray']:.3f} (goal <= {E2E_RAY_GOAL})"})
+                rows.append(
+                    {
+                        "what": f"seed 003's job, whole process, {how}",
+                        "lockstep": f"{e2e[key]['median_s']:.2f} s",
+                        "compared_with": f"Ray Train {e2e['ray']['median_s']:.2f} s",
+                        "ratio": f"{summary['e2e'][f'{key}_over_ray']:.3f} (goal <= {E2E_RAY_GOAL})",
+                    }
+                )
         if key in summary.get("startup", {}).get("rows", {}):
             startup = summary["startup"]["rows"]
-            rows.append({"what": f"no-op job (start-up + shut-down), {how}", "lockstep": f"{startup[key]['median_s']:.2f} s",
-                         "compared_with": f"torchrun {startup['torchrun']['median_s']:.2f} s",
-                         "ratio": f"{summary['startup'][f'{key}_over_torchrun']:.3f} (goal <= {STARTUP_GOAL})"})
+            rows.append(
+                {
+                    "what": f"no-op job (start-up + shut-down), {how}",
+                    "lockstep": f"{startup[key]['median_s']:.2f} s",
+                    "compared_with": f"torchrun {startup['torchrun']['median_s']:.2f} s",
+                    "ratio": f"{summary['startup'][f'{key}_over_torchrun']:.3f} (goal <= {STARTUP_GOAL})",
+                }
+            )
     if "refit" in summary:
         refit = summary["refit"]
-        rows.append({"what": "a later no-op fit() in the same process", "lockstep": f"{refit['later_fit_median_s']:.2f} s",
-                     "compared_with": f'python -c "import torch" {refit["import_torch"]["median_s"]:.2f} s',
-                     "ratio": f"{refit['ratio']:.3f} (goal <= {REFIT_GOAL})"})
+        rows.append(
+            {
+                "what": "a later no-op fit() in the same process",
+                "lockstep": f"{refit['later_fit_median_s']:.2f} s",
+                "compared_with": f'python -c "import torch" {refit["import_torch"]["median_s"]:.2f} s',
+                "ratio": f"{refit['ratio']:.3f} (goal <= {REFIT_GOAL})",
+            }
+        )
     if "report" in summary:
         report = summary["report"]["rows"]
         other = f"Ray Train {report['ray']['p50_s'] * 1e3:,.1f} ms" if "ray" in report else "Ray Train: not measured"
-        rows.append({"what": "metrics-only report(), p50", "lockstep": f"{report['lockstep']['p50_s'] * 1e3:.3f} ms",
-                     "compared_with": other, "ratio": f"(goal <= {REPORT_P50_GOAL_S * 1e3:.0f} ms)"})
+        rows.append(
+            {
+                "what": "metrics-only report(), p50",
+                "lockstep": f"{report['lockstep']['p50_s'] * 1e3:.3f} ms",
+                "compared_with": other,
+                "ratio": f"(goal <= {REPORT_P50_GOAL_S * 1e3:.0f} ms)",
+            }
+        )
     return rows
 
 
@@ -374,17 +485,28 @@ SECTIONS = ["e2e", "startup", "report", "refit"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per section (default 5: goals need 5)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a check that it works, not a measurement: 1 round, e2e on the first 10,000 "
-                             "training images, 200 report calls, 3 fits, no 1-worker runs; results marked quick")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="interleaved rounds per section (default 5: goals need 5)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check that it works, not a measurement: 1 round, e2e on the first 10,000 "
+        "training images, 200 report calls, 3 fits, no 1-worker runs; results marked quick",
+    )
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="sections to run (default: all)")
     parser.add_argument("--no-one-worker", action="store_true", help="skip the lockstep 1-worker e2e runs")
     parser.add_argument("--no-ray", action="store_true", help="skip Ray Train even when it is installed")
     parser.add_argument("--e2e-limit", type=int, default=None, help="e2e on the first N training images (default: all)")
-    parser.add_argument("--report-calls", type=int, default=2000, help="timed report()/barrier calls per run (default 2000)")
-    parser.add_argument("--ray-report-calls", type=int, default=3,
-                        help="timed report() calls per Ray Train run (default 3: each takes about 2 s)")
+    parser.add_argument(
+        "--report-calls", type=int, default=2000, help="timed report()/barrier calls per run (default 2000)"
+    )
+    parser.add_argument(
+        "--ray-report-calls",
+        type=int,
+        default=3,
+        help="timed report() calls per Ray Train run (default 3: each takes about 2 s)",
+    )
     parser.add_argument("--refits", type=int, default=4, help="no-op fit() calls in one refit driver (default 4)")
     parser.add_argument("--data-dir", default=default_data_dir(), help="Fashion-MNIST root (torchvision layout)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
@@ -416,8 +538,11 @@ def run_sections(args: argparse.Namespace, ray: bool, work: Path) -> dict[str, d
         raw["startup"] = measure("startup", "noop", {v.key: [] for v in todo}, todo, args, work, sample_rss=False)
     if "report" in args.only:
         todo = variants(ray, one_worker=False)
-        calls = {"lockstep": [f"--calls={args.report_calls}"], "torchrun": [f"--calls={args.report_calls}"],
-                 "ray": [f"--calls={args.ray_report_calls}", "--warmup=1"]}
+        calls = {
+            "lockstep": [f"--calls={args.report_calls}"],
+            "torchrun": [f"--calls={args.report_calls}"],
+            "ray": [f"--calls={args.ray_report_calls}", "--warmup=1"],
+        }
         raw["report"] = measure("report", "noop", calls, todo, args, work, sample_rss=False)
     if "refit" in args.only:
         raw["refit"] = measure("refit", "", {}, REFIT_VARIANTS, args, work, sample_rss=False)
@@ -427,8 +552,10 @@ def run_sections(args: argparse.Namespace, ray: bool, work: Path) -> dict[str, d
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if start_hook.hook_state() != "absent":
-        sys.exit(f"lockstep's start hook is installed in this venv ({start_hook.hook_path()}): every variant would run "
-                 "with it; remove it first (lockstep start-hook remove)")
+        sys.exit(
+            f"lockstep's start hook is installed in this venv ({start_hook.hook_path()}): every variant would run "
+            "with it; remove it first (lockstep start-hook remove)"
+        )
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     info = describe_machine()
     ray = importlib.util.find_spec("ray") is not None and not args.no_ray
@@ -448,19 +575,25 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(summary, goals, args, info, command, labels, ray)
     print(text)
     document = {
-        "ray_installed": ray, "partial": set(args.only) != set(SECTIONS) or not ray,
+        "ray_installed": ray,
+        "partial": set(args.only) != set(SECTIONS) or not ray,
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
         "rss_method": "sum of VmRSS over the process tree, sampled every 0.2 s",
         "summary": summary,
-        "raw": {section: {key: [vars(result) for result in results] for key, results in runs.items()}
-                for section, runs in raw.items()},
+        "raw": {
+            section: {key: [vars(result) for result in results] for key, results in runs.items()}
+            for section, runs in raw.items()
+        },
     }
     path = write_result(args.results_dir, "jobs", command, info, args.quick, document, goals, text, headline(summary))
     if path is not None:
         print(f"results: {path}", file=sys.stderr)
     if args.json is not None:
-        args.json.write_text(json.dumps({"command": command, "machine": info, "goals": [g.as_dict() for g in goals],
-                                         **document}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"command": command, "machine": info, "goals": [g.as_dict() for g in goals], **document}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -63,13 +63,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
+from record import Goal, add_results_args, goals_markdown, write_result  # noqa: E402
 
 import lockstep
 from lockstep import Checkpoint, CheckpointUploadMode, RunConfig, ScalingConfig
 from lockstep.torch import TorchTrainer
-
-from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
-from record import Goal, add_results_args, goals_markdown, write_result  # noqa: E402
 
 MB = 1_000_000
 BUCKET = "lockstep-bench"
@@ -282,7 +281,9 @@ def markdown(summary: dict[str, Any], size: int, args: argparse.Namespace, info:
     ]
     for target, rows in summary.items():
         plain = rows["plain"]
-        lines.append(f"| {target} | plain write | {plain['median_s']:.3f} | {plain['max_s']:.3f} | {plain['mb_s']:.0f} | – |")
+        lines.append(
+            f"| {target} | plain write | {plain['median_s']:.3f} | {plain['max_s']:.3f} | {plain['mb_s']:.0f} | – |"
+        )
         for mode in MODES:
             row = rows[mode]
             mb_s = f"{row['mb_s']:.0f}" if mode != "ASYNC" else "–"
@@ -293,7 +294,8 @@ def markdown(summary: dict[str, Any], size: int, args: argparse.Namespace, info:
             )
     lines += [
         "",
-        f"| target | ASYNC / SYNC blocked (goal <= {ASYNC_GOAL:.2f}) | | SYNC / plain throughput (goal >= {THROUGHPUT_GOAL:.2f}) | |",
+        f"| target | ASYNC / SYNC blocked (goal <= {ASYNC_GOAL:.2f}) | "
+        f"| SYNC / plain throughput (goal >= {THROUGHPUT_GOAL:.2f}) | |",
         "|---|---:|---|---:|---|",
     ]
     for target, rows in summary.items():
@@ -301,10 +303,16 @@ def markdown(summary: dict[str, Any], size: int, args: argparse.Namespace, info:
             f"| {target} | {rows['async_over_sync_blocked']:.3f} | {'PASS' if rows['async_goal_met'] else 'MISS'} | "
             f"{rows['sync_over_plain_throughput']:.2f} | {'PASS' if rows['throughput_goal_met'] else 'MISS'} |"
         )
-    lines += ["", "| target | manifest cost: SYNC blocked, with / without checksums - 1 | goal | |", "|---|---:|---:|---|"]
+    lines += [
+        "",
+        "| target | manifest cost: SYNC blocked, with / without checksums - 1 | goal | |",
+        "|---|---:|---:|---|",
+    ]
     for target, rows in summary.items():
-        lines.append(f"| {target} | {rows['manifest_cost']:+.3f} | <= {MANIFEST_GOALS[target]:.2f} | "
-                     f"{'PASS' if rows['manifest_goal_met'] else 'MISS'} |")
+        lines.append(
+            f"| {target} | {rows['manifest_cost']:+.3f} | <= {MANIFEST_GOALS[target]:.2f} | "
+            f"{'PASS' if rows['manifest_goal_met'] else 'MISS'} |"
+        )
     return "\n".join(lines)
 
 
@@ -312,13 +320,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--reports", type=int, default=5, help="measured reports per fit (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up reports per fit, not counted (default 1)")
-    parser.add_argument("--repeats", type=int, default=5, help="fits per (target, mode), interleaved (default 5: goals need 5)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="fits per (target, mode), interleaved (default 5: goals need 5)"
+    )
     parser.add_argument("--num-workers", type=int, default=2, help="workers per fit (default 2)")
     parser.add_argument("--targets", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     parser.add_argument("--work-dir", type=Path, default=None, help="temporary files (default: a new temp folder)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--quick", action="store_true",
-                        help="a check that it works, not a measurement: 1 repeat of 2 reports; results marked quick")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check that it works, not a measurement: 1 repeat of 2 reports; results marked quick",
+    )
     add_results_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -351,37 +364,57 @@ def main(argv: list[str] | None = None) -> None:
                         times = plain_write_local(source, work / "plain", count)
                     else:
                         times = plain_write_s3(source, count)
-                    raw[target]["plain_s"] += times[args.warmup:]
-                    print(f"[repeat {repeat + 1}/{args.repeats}] {target} plain write: "
-                          f"median {statistics.median(times[args.warmup:]):.3f} s", file=sys.stderr, flush=True)
+                    raw[target]["plain_s"] += times[args.warmup :]
+                    print(
+                        f"[repeat {repeat + 1}/{args.repeats}] {target} plain write: "
+                        f"median {statistics.median(times[args.warmup :]):.3f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     for mode in modes:
                         run = run_lockstep(target, mode, repeat, args, work)
                         if run["bytes"] != size:
                             raise RuntimeError(f"workers saved {run['bytes']} bytes, the baseline {size}")
                         raw[target][mode].append(run)
-                        print(f"[repeat {repeat + 1}/{args.repeats}] {target} {mode}: blocked median "
-                              f"{statistics.median(run['blocked_s']):.3f} s, fit {run['fit_s']:.1f} s",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"[repeat {repeat + 1}/{args.repeats}] {target} {mode}: blocked median "
+                            f"{statistics.median(run['blocked_s']):.3f} s, fit {run['fit_s']:.1f} s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(raw, size)
     goals = goals_of(summary, args)
     text = markdown(summary, size, args, info, command) + "\n\n" + goals_markdown(goals)
     print(text)
-    document = {"partial": set(args.targets) != {"local", "s3"}, "payload_bytes": size, "payload": "resnet18 state_dict, rank 0 only",
-                "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-                "summary": summary, "raw": raw}
-    path = write_result(args.results_dir, "checkpoint", command, info, args.quick, document, goals, text,
-                        headline(summary))
+    document = {
+        "partial": set(args.targets) != {"local", "s3"},
+        "payload_bytes": size,
+        "payload": "resnet18 state_dict, rank 0 only",
+        "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "summary": summary,
+        "raw": raw,
+    }
+    path = write_result(
+        args.results_dir, "checkpoint", command, info, args.quick, document, goals, text, headline(summary)
+    )
     if path is not None:
         print(f"results: {path}", file=sys.stderr)
     if args.json is not None:
         document = {
-            "command": command, "machine": info, "payload_bytes": size, "payload": "resnet18 state_dict, rank 0 only",
+            "command": command,
+            "machine": info,
+            "payload_bytes": size,
+            "payload": "resnet18 state_dict, rank 0 only",
             "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-            "goals": {"async_over_sync_blocked_max": ASYNC_GOAL, "sync_over_plain_throughput_min": THROUGHPUT_GOAL,
-                      "manifest_cost_max": MANIFEST_GOALS},
-            "summary": summary, "raw": raw,
+            "goals": {
+                "async_over_sync_blocked_max": ASYNC_GOAL,
+                "sync_over_plain_throughput_min": THROUGHPUT_GOAL,
+                "manifest_cost_max": MANIFEST_GOALS,
+            },
+            "summary": summary,
+            "raw": raw,
         }
         args.json.write_text(json.dumps(document, indent=1))
 
@@ -391,15 +424,31 @@ def goals_of(summary: dict[str, Any], args: argparse.Namespace) -> list[Goal]:
     samples = args.repeats * args.reports
     goals = []
     for target, rows in summary.items():
-        goals.append(Goal(f"{target}: ASYNC / SYNC time blocked in report()",
-                          f"ratio of the medians of all blocked times ({samples} reports each)",
-                          rows["async_over_sync_blocked"], ASYNC_GOAL))
-        goals.append(Goal(f"{target}: SYNC / plain-write throughput",
-                          f"ratio of the medians ({samples} reports, {samples} plain writes)",
-                          rows["sync_over_plain_throughput"], THROUGHPUT_GOAL, at_most=False))
-        goals.append(Goal(f"{target}: manifest cost (SYNC blocked with / without checksums - 1)",
-                          f"ratio of the medians ({samples} reports each)",
-                          rows["manifest_cost"], MANIFEST_GOALS[target]))
+        goals.append(
+            Goal(
+                f"{target}: ASYNC / SYNC time blocked in report()",
+                f"ratio of the medians of all blocked times ({samples} reports each)",
+                rows["async_over_sync_blocked"],
+                ASYNC_GOAL,
+            )
+        )
+        goals.append(
+            Goal(
+                f"{target}: SYNC / plain-write throughput",
+                f"ratio of the medians ({samples} reports, {samples} plain writes)",
+                rows["sync_over_plain_throughput"],
+                THROUGHPUT_GOAL,
+                at_most=False,
+            )
+        )
+        goals.append(
+            Goal(
+                f"{target}: manifest cost (SYNC blocked with / without checksums - 1)",
+                f"ratio of the medians ({samples} reports each)",
+                rows["manifest_cost"],
+                MANIFEST_GOALS[target],
+            )
+        )
     return goals
 
 
@@ -408,11 +457,15 @@ def headline(summary: dict[str, Any]) -> list[dict[str, str]]:
     rows = []
     for target, entry in summary.items():
         where = "local disk" if target == "local" else "a local S3 server (moto)"
-        rows.append({"what": f"report() with a 47 MB checkpoint to {where}, time blocked (median)",
-                     "lockstep": f"SYNC {entry['SYNC']['blocked_median_s'] * 1e3:.0f} ms, "
-                                 f"ASYNC {entry['ASYNC']['blocked_median_s'] * 1e3:.0f} ms",
-                     "compared_with": f"plain write {entry['plain']['median_s'] * 1e3:.0f} ms",
-                     "ratio": f"SYNC/plain throughput {entry['sync_over_plain_throughput']:.2f} (goal >= {THROUGHPUT_GOAL})"})
+        rows.append(
+            {
+                "what": f"report() with a 47 MB checkpoint to {where}, time blocked (median)",
+                "lockstep": f"SYNC {entry['SYNC']['blocked_median_s'] * 1e3:.0f} ms, "
+                f"ASYNC {entry['ASYNC']['blocked_median_s'] * 1e3:.0f} ms",
+                "compared_with": f"plain write {entry['plain']['median_s'] * 1e3:.0f} ms",
+                "ratio": f"SYNC/plain throughput {entry['sync_over_plain_throughput']:.2f} (goal >= {THROUGHPUT_GOAL})",
+            }
+        )
     return rows
 
 

@@ -44,13 +44,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import lockstep
-from lockstep import Checkpoint, RunConfig, ScalingConfig
-from lockstep.torch import TorchTrainer
-
 from checkpoint_bench import environment, maybe_s3_server  # noqa: E402 - benchmarks/ is the script folder
 from machine import describe_machine, machine_line  # noqa: E402
 from record import Goal, add_results_args, goals_markdown, write_result  # noqa: E402
+
+import lockstep
+from lockstep import Checkpoint, RunConfig, ScalingConfig
+from lockstep.torch import TorchTrainer
 
 MIB = 1 << 20
 GB = 1e9
@@ -154,14 +154,27 @@ def measure(target: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
         plain.append(plain_copy(target, sources, work))
         ours += lockstep_fit(target, sources, args.reports, work, f"{target}-{repeat}")
         bare += lockstep_fit(target, sources, args.reports, work, f"{target}-{repeat}-bare", checksums=False)
-        print(f"[{target} {repeat + 1}/{args.repeats}] plain {total / plain[-1] / GB:.2f} GB/s, "
-              f"lockstep {total / statistics.median(ours[-args.reports:]) / GB:.2f} GB/s, without checksums "
-              f"{total / statistics.median(bare[-args.reports:]) / GB:.2f} GB/s", file=sys.stderr, flush=True)
+        print(
+            f"[{target} {repeat + 1}/{args.repeats}] plain {total / plain[-1] / GB:.2f} GB/s, "
+            f"lockstep {total / statistics.median(ours[-args.reports :]) / GB:.2f} GB/s, without checksums "
+            f"{total / statistics.median(bare[-args.reports :]) / GB:.2f} GB/s",
+            file=sys.stderr,
+            flush=True,
+        )
     shutil.rmtree(work / target)
     plain_s, ours_s, bare_s = statistics.median(plain), statistics.median(ours), statistics.median(bare)
-    return {"bytes": total, "mib_per_rank": mib, "plain_s": plain, "lockstep_s": ours, "no_checksums_s": bare,
-            "plain_gb_s": total / plain_s / GB, "lockstep_gb_s": total / ours_s / GB,
-            "no_checksums_gb_s": total / bare_s / GB, "ratio": plain_s / ours_s, "no_checksums_ratio": plain_s / bare_s}
+    return {
+        "bytes": total,
+        "mib_per_rank": mib,
+        "plain_s": plain,
+        "lockstep_s": ours,
+        "no_checksums_s": bare,
+        "plain_gb_s": total / plain_s / GB,
+        "lockstep_gb_s": total / ours_s / GB,
+        "no_checksums_gb_s": total / bare_s / GB,
+        "ratio": plain_s / ours_s,
+        "no_checksums_ratio": plain_s / bare_s,
+    }
 
 
 def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, str], command: str) -> str:
@@ -176,11 +189,16 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
         "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for target, row in summary.items():
-        goal = f">= {LOCAL_GOAL:.2f}: {'PASS' if row['ratio'] >= LOCAL_GOAL else 'MISS'}" if target == "local" else \
-            "works (not a speed reference)"
-        lines.append(f"| {target} | {args.ranks} x {row['mib_per_rank']} MiB | {row['plain_gb_s']:.2f} | "
-                     f"{row['lockstep_gb_s']:.2f} | {row['ratio']:.2f} | {goal} | {row['no_checksums_gb_s']:.2f} | "
-                     f"{row['no_checksums_ratio']:.2f} |")
+        goal = (
+            f">= {LOCAL_GOAL:.2f}: {'PASS' if row['ratio'] >= LOCAL_GOAL else 'MISS'}"
+            if target == "local"
+            else "works (not a speed reference)"
+        )
+        lines.append(
+            f"| {target} | {args.ranks} x {row['mib_per_rank']} MiB | {row['plain_gb_s']:.2f} | "
+            f"{row['lockstep_gb_s']:.2f} | {row['ratio']:.2f} | {goal} | {row['no_checksums_gb_s']:.2f} | "
+            f"{row['no_checksums_ratio']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -189,9 +207,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--mib", type=int, default=768, help="MiB per rank on local disk (default 768)")
     parser.add_argument("--s3-mib", type=int, default=128, help="MiB per rank on S3 (default 128)")
-    parser.add_argument("--reports", type=int, default=1,
-                        help="checkpoints per fit (default 1: as the plain copy, each fit writes the files once "
-                             "before they are deleted, so both leave as many dirty pages to the kernel)")
+    parser.add_argument(
+        "--reports",
+        type=int,
+        default=1,
+        help="checkpoints per fit (default 1: as the plain copy, each fit writes the files once "
+        "before they are deleted, so both leave as many dirty pages to the kernel)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--targets", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     parser.add_argument("--work-dir", type=Path, default=None)
@@ -219,20 +241,36 @@ def main(argv: list[str] | None = None) -> None:
                 summary[target] = measure(target, args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    goals = [Goal("local: checkpoint throughput, lockstep / plain parallel copy",
-                  f"ratio of the medians ({args.repeats} copies, {args.repeats * args.reports} reports)",
-                  summary["local"]["ratio"], LOCAL_GOAL, at_most=False)] if "local" in summary else []
+    goals = (
+        [
+            Goal(
+                "local: checkpoint throughput, lockstep / plain parallel copy",
+                f"ratio of the medians ({args.repeats} copies, {args.repeats * args.reports} reports)",
+                summary["local"]["ratio"],
+                LOCAL_GOAL,
+                at_most=False,
+            )
+        ]
+        if "local" in summary
+        else []
+    )
     text = markdown(summary, args, info, command) + ("\n\n" + goals_markdown(goals) if goals else "")
     print(text)
-    document = {"partial": set(args.targets) != {"local", "s3"}, "config": {
-        key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-        "summary": summary}
-    headline = [{"what": f"a {args.ranks}-rank checkpoint of {row['bytes'] / GB:.1f} GB to "
-                         f"{'local disk' if target == 'local' else 'a local S3 server (moto)'}",
-                 "lockstep": f"{row['lockstep_gb_s']:.2f} GB/s",
-                 "compared_with": f"plain parallel copy {row['plain_gb_s']:.2f} GB/s",
-                 "ratio": f"{row['ratio']:.2f}" + (f" (goal >= {LOCAL_GOAL})" if target == "local" else "")}
-                for target, row in summary.items()]
+    document = {
+        "partial": set(args.targets) != {"local", "s3"},
+        "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "summary": summary,
+    }
+    headline = [
+        {
+            "what": f"a {args.ranks}-rank checkpoint of {row['bytes'] / GB:.1f} GB to "
+            f"{'local disk' if target == 'local' else 'a local S3 server (moto)'}",
+            "lockstep": f"{row['lockstep_gb_s']:.2f} GB/s",
+            "compared_with": f"plain parallel copy {row['plain_gb_s']:.2f} GB/s",
+            "ratio": f"{row['ratio']:.2f}" + (f" (goal >= {LOCAL_GOAL})" if target == "local" else ""),
+        }
+        for target, row in summary.items()
+    ]
     path = write_result(args.results_dir, "throughput", command, info, args.quick, document, goals, text, headline)
     if path is not None:
         print(f"results: {path}", file=sys.stderr)

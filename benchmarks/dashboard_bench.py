@@ -63,12 +63,12 @@ def train_func(config: dict[str, Any]) -> float:
     import tempfile as scratch
 
     import torch
+    from mlp_common import NeuralNetwork, load_data
     from torch import nn
     from torch.utils.data import DataLoader
 
     from lockstep import Checkpoint, report
     from lockstep.torch import prepare_data_loader, prepare_model
-    from mlp_common import NeuralNetwork, load_data
 
     torch.manual_seed(0)
     training, _ = load_data(config["data_dir"], None)
@@ -104,9 +104,12 @@ def one_run(storage: str, name: str, config: dict[str, Any]) -> float:
     from lockstep import CheckpointConfig, RunConfig, ScalingConfig
     from lockstep.torch import TorchTrainer
 
-    run_config = RunConfig(name=name, storage_path=storage, verbose=0, checkpoint_config=CheckpointConfig(num_to_keep=2))
-    result = TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=run_config).fit()
+    run_config = RunConfig(
+        name=name, storage_path=storage, verbose=0, checkpoint_config=CheckpointConfig(num_to_keep=2)
+    )
+    result = TorchTrainer(
+        train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2), run_config=run_config
+    ).fit()
     return float(result.return_value)
 
 
@@ -142,8 +145,11 @@ def start_viewer(base: str, run: str) -> subprocess.Popen[str]:
 
 
 def start_dashboard(storage: str) -> tuple[subprocess.Popen[str], str]:
-    process = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "dashboard", "--storage", storage, "--port", "0"],
-                               stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lockstep.cli", "dashboard", "--storage", storage, "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout is not None
     line = process.stdout.readline()
     if not line.startswith("dashboard: "):
@@ -175,8 +181,11 @@ def run_rounds(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, An
                             viewer.terminate()
                             output, _ = viewer.communicate()
                             viewer_requests.append(int(output.strip() or 0))
-                print(f"round {round_index + 1}/{args.rounds}: watched {rates['watched'][-1]:.1f} steps/s, "
-                      f"unwatched {rates['unwatched'][-1]:.1f} steps/s", file=sys.stderr)
+                print(
+                    f"round {round_index + 1}/{args.rounds}: watched {rates['watched'][-1]:.1f} steps/s, "
+                    f"unwatched {rates['unwatched'][-1]:.1f} steps/s",
+                    file=sys.stderr,
+                )
         finally:
             dashboard.kill()
             dashboard.communicate()
@@ -186,37 +195,50 @@ def run_rounds(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, An
 def summarize(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], list[Goal]]:
     rates = raw["rates"]
     ratio, interval = ratio_of_medians(rates["watched"], rates["unwatched"])
-    summary = {"medians_steps_per_s": {kind: statistics.median(values) for kind, values in rates.items()},
-               "ratio_of_medians": ratio, "ratio_of_medians_ci95": interval,
-               "viewer_requests_per_run": statistics.median(raw["viewer_requests"]) if raw["viewer_requests"] else 0}
-    goal = Goal("training-phase steps/s, a run watched by lockstep dashboard / unwatched",
-                f"median(watched steps/s) / median(unwatched steps/s), rank 0, {args.rounds} interleaved rounds of "
-                f"{args.steps} steps of a 2-worker run; judged by the lower end of the round-resampling bootstrap 95% "
-                "interval", ratio, GOAL_RATIO, at_most=False, ci95=interval, rounds=args.rounds)
+    summary = {
+        "medians_steps_per_s": {kind: statistics.median(values) for kind, values in rates.items()},
+        "ratio_of_medians": ratio,
+        "ratio_of_medians_ci95": interval,
+        "viewer_requests_per_run": statistics.median(raw["viewer_requests"]) if raw["viewer_requests"] else 0,
+    }
+    goal = Goal(
+        "training-phase steps/s, a run watched by lockstep dashboard / unwatched",
+        f"median(watched steps/s) / median(unwatched steps/s), rank 0, {args.rounds} interleaved rounds of "
+        f"{args.steps} steps of a 2-worker run; judged by the lower end of the round-resampling bootstrap 95% "
+        "interval",
+        ratio,
+        GOAL_RATIO,
+        at_most=False,
+        ci95=interval,
+        rounds=args.rounds,
+    )
     return summary, [goal]
 
 
-def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespace, info: dict[str, str],
-             command: str) -> str:
+def markdown(
+    summary: dict[str, Any], goals: list[Goal], args: argparse.Namespace, info: dict[str, str], command: str
+) -> str:
     from record import goals_markdown
 
     medians = summary["medians_steps_per_s"]
     low, high = summary["ratio_of_medians_ci95"]
-    return "\n".join([
-        machine_line(info),
-        f"Command: `{command}`",
-        f"2 workers, gloo; {args.rounds} interleaved rounds of {args.steps} steps, a report every "
-        f"{args.steps_per_report} steps; the viewer made {summary['viewer_requests_per_run']:.0f} requests per "
-        "watched run (median).",
-        "",
-        "| | steps/s (median of rounds) |",
-        "|---|---:|",
-        f"| unwatched | {medians['unwatched']:.1f} |",
-        f"| watched by lockstep dashboard | {medians['watched']:.1f} |",
-        f"| ratio (watched / unwatched) | {summary['ratio_of_medians']:.4f} (95% CI {low:.4f} – {high:.4f}) |",
-        "",
-        goals_markdown(goals),
-    ])
+    return "\n".join(
+        [
+            machine_line(info),
+            f"Command: `{command}`",
+            f"2 workers, gloo; {args.rounds} interleaved rounds of {args.steps} steps, a report every "
+            f"{args.steps_per_report} steps; the viewer made {summary['viewer_requests_per_run']:.0f} requests per "
+            "watched run (median).",
+            "",
+            "| | steps/s (median of rounds) |",
+            "|---|---:|",
+            f"| unwatched | {medians['unwatched']:.1f} |",
+            f"| watched by lockstep dashboard | {medians['watched']:.1f} |",
+            f"| ratio (watched / unwatched) | {summary['ratio_of_medians']:.4f} (95% CI {low:.4f} – {high:.4f}) |",
+            "",
+            goals_markdown(goals),
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -224,9 +246,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10, at least 5 to judge)")
     parser.add_argument("--steps", type=int, default=1500, help="timed steps per run (default 1500)")
     parser.add_argument("--steps-per-report", type=int, default=10, help="steps between reports (default 10)")
-    parser.add_argument("--quick", action="store_true", help="a check that it works, not a measurement: 2 rounds "
-                        "of 100 steps (its goal reads MISS: too few rounds)")
-    parser.add_argument("--data-dir", default=None, help="Fashion-MNIST root (default $LOCKSTEP_DATA or ../shared/data)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check that it works, not a measurement: 2 rounds of 100 steps (its goal reads MISS: too few rounds)",
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="Fashion-MNIST root (default $LOCKSTEP_DATA or ../shared/data)"
+    )
     parser.add_argument("--viewer", nargs=2, metavar=("URL", "RUN"), help=argparse.SUPPRESS)
     add_results_args(parser)
     args = parser.parse_args(argv)
@@ -247,14 +274,20 @@ def main(argv: list[str] | None = None) -> None:
     from bench_jobs import default_data_dir
 
     info = describe_machine()
-    config = {"data_dir": args.data_dir or default_data_dir(), "steps": args.steps,
-              "steps_per_report": args.steps_per_report}
+    config = {
+        "data_dir": args.data_dir or default_data_dir(),
+        "steps": args.steps,
+        "steps_per_report": args.steps_per_report,
+    }
     raw = run_rounds(args, config)
     summary, goals = summarize(raw, args)
     text = markdown(summary, goals, args, info, command)
     print(text)
-    document = {"config": {key: value for key, value in vars(args).items() if key != "viewer"},
-                "summary": summary, "raw": raw}
+    document = {
+        "config": {key: value for key, value in vars(args).items() if key != "viewer"},
+        "summary": summary,
+        "raw": raw,
+    }
     path = write_result(args.results_dir, "dashboard", command, info, args.quick, document, goals, text)
     if path is not None:
         print(f"results: {path}", file=sys.stderr)

@@ -39,7 +39,9 @@ def make_loader(images: int) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(images, 1, 28, 28, generator=generator), torch.randint(0, 10, (images,), generator=generator))
+    data = TensorDataset(
+        torch.randn(images, 1, 28, 28, generator=generator), torch.randint(0, 10, (images,), generator=generator)
+    )
     return DataLoader(data, batch_size=BATCH, shuffle=True, pin_memory=True, drop_last=True)
 
 
@@ -81,7 +83,9 @@ def plain_run(args: argparse.Namespace) -> float:
     import torch
 
     device = torch.device("cuda", 0)
-    return images_per_second(make_loader(args.images), build_model().to(device), device, args.warmup, args.steps, move=True)
+    return images_per_second(
+        make_loader(args.images), build_model().to(device), device, args.warmup, args.steps, move=True
+    )
 
 
 def lockstep_run(args: argparse.Namespace) -> float:
@@ -90,8 +94,10 @@ def lockstep_run(args: argparse.Namespace) -> float:
 
     with tempfile.TemporaryDirectory() as storage:
         result = TorchTrainer(
-            lockstep_train, train_loop_config={"images": args.images, "warmup": args.warmup, "steps": args.steps},
-            scaling_config=ScalingConfig(num_workers=1, use_gpu=True), run_config=RunConfig(storage_path=storage),
+            lockstep_train,
+            train_loop_config={"images": args.images, "warmup": args.warmup, "steps": args.steps},
+            scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+            run_config=RunConfig(storage_path=storage),
         ).fit()
     return float(result.return_value)
 
@@ -114,14 +120,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[round {round_index + 1}/{args.rounds}] {name}: {rates[name][-1]:.0f} images/s", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ratio = medians["lockstep"] / medians["plain"]
-    print(f"\nGPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; ResNet18 1x28x28, batch {BATCH}, "
-          f"{args.steps} timed steps x {args.rounds} rounds\n")
+    print(
+        f"\nGPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; ResNet18 1x28x28, batch {BATCH}, "
+        f"{args.steps} timed steps x {args.rounds} rounds\n"
+    )
     print("| set-up | images/s median | min | max |\n|---|---:|---:|---:|")
     for name, values in rates.items():
         print(f"| {name} | {medians[name]:.0f} | {min(values):.0f} | {max(values):.0f} |")
     print(f"| lockstep / plain (goal >= {GOAL}) | {ratio:.3f} | | {'PASS' if ratio >= GOAL else 'MISS'} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"rates": rates, "medians": medians, "ratio": ratio, "gpu": torch.cuda.get_device_name(0)}))
+        args.json.write_text(
+            json.dumps({"rates": rates, "medians": medians, "ratio": ratio, "gpu": torch.cuda.get_device_name(0)})
+        )
 
 
 if __name__ == "__main__":

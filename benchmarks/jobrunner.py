@@ -4,6 +4,7 @@ and ray_bench.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -37,7 +38,7 @@ def _parent_map() -> dict[int, int]:
                 stat = handle.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         parents[int(entry.name)] = int(fields[1])
     return parents
 
@@ -152,11 +153,23 @@ def job_command(variant: Variant, job: str, job_args: list[str], storage: Path) 
     env = {**os.environ, **dict(variant.env)}
     if variant.framework == "torchrun":
         env["OMP_NUM_THREADS"] = "1"
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={variant.workers}",
-                   f"--master_port={free_port()}", str(JOBS / f"{job}_torchrun.py"), *job_args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={variant.workers}",
+            f"--master_port={free_port()}",
+            str(JOBS / f"{job}_torchrun.py"),
+            *job_args,
+        ]
         return command, env
-    command = [sys.executable, str(JOBS / f"{job}_lockstep.py"), f"--num-workers={variant.workers}",
-               f"--storage-path={storage}", *job_args]
+    command = [
+        sys.executable,
+        str(JOBS / f"{job}_lockstep.py"),
+        f"--num-workers={variant.workers}",
+        f"--storage-path={storage}",
+        *job_args,
+    ]
     if variant.framework == "lockstep_run":  # the launcher: `lockstep run job.py ...` (the console script)
         command[:1] = [str(Path(sys.executable).with_name("lockstep")), "run"]
     if variant.framework == "ray":
@@ -168,19 +181,19 @@ def job_command(variant: Variant, job: str, job_args: list[str], storage: Path) 
 def kill_tree(root: int) -> None:
     """SIGKILL ``root`` and every descendant still alive (one by one, by pid)."""
     for pid in reversed(process_tree(root)):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
-def run_job(command: list[str], env: dict[str, str], log: Path, timeout_s: float, sample_rss: bool,
-            sample_pss: bool = False) -> RunResult:
+def run_job(
+    command: list[str], env: dict[str, str], log: Path, timeout_s: float, sample_rss: bool, sample_pss: bool = False
+) -> RunResult:
     """Run ``command`` to its end; whole-process wall time, peak tree RSS (and PSS), BENCH_JSON data."""
     with open(log, "wb") as output:
         started = time.perf_counter()
-        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
         sampler = TreeRssSampler(process.pid, with_pss=sample_pss) if sample_rss or sample_pss else None
         if sampler is not None:
             sampler.start()
@@ -203,7 +216,7 @@ def run_job(command: list[str], env: dict[str, str], log: Path, timeout_s: float
     data: dict[str, Any] = {}
     for line in text.splitlines():
         if line.startswith("BENCH_JSON "):
-            data.update(json.loads(line[len("BENCH_JSON "):]))
+            data.update(json.loads(line[len("BENCH_JSON ") :]))
     result = RunResult(wall_s=wall, data=data)
     if sampler is not None:
         result.peak_rss, result.peak_root_rss = sampler.peak_total, sampler.peak_root

@@ -54,7 +54,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +97,20 @@ def drive(args: argparse.Namespace) -> int:
     from lockstep import CheckpointConfig, RunConfig, ScalingConfig, TrainingFailedError
     from lockstep.torch import TorchTrainer
 
-    config = {"steps": args.steps, "pace_s": args.pace_s, "resumes": args.resumes, "trial": args.trial,
-              "pids": args.pids}
+    config = {
+        "steps": args.steps,
+        "pace_s": args.pace_s,
+        "resumes": args.resumes,
+        "trial": args.trial,
+        "pids": args.pids,
+    }
     trainer = TorchTrainer(
         train,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=args.name, storage_path=args.storage,
-                             checkpoint_config=CheckpointConfig(num_to_keep=3)),
+        run_config=RunConfig(
+            name=args.name, storage_path=args.storage, checkpoint_config=CheckpointConfig(num_to_keep=3)
+        ),
     )
     try:
         trainer.fit()
@@ -149,10 +155,8 @@ def rank_processes(tag: str, pids: Path) -> list[int]:
 def kill(pids: list[int]) -> None:
     """SIGKILL each of ``pids`` that still exists."""
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def leftovers(tag: str, driver: subprocess.Popen[bytes], within_s: float = 10.0) -> list[int]:
@@ -181,8 +185,12 @@ def snapshot(storage: str, name: str) -> dict[str, Any]:
     history = run.read_reports()
     checks = check_run(run, record)
     latest = record.get("checkpoints", [])[-1] if record.get("checkpoints") else None
-    return {"record": record, "history": history, "checks": checks,
-            "latest_step": latest["metrics"]["step"] if latest else -1}
+    return {
+        "record": record,
+        "history": history,
+        "checks": checks,
+        "latest_step": latest["metrics"]["step"] if latest else -1,
+    }
 
 
 def problems_of(before: dict[str, Any], after: dict[str, Any], resumed: int | None) -> dict[str, list[str]]:
@@ -229,13 +237,30 @@ def one_trial(trial: int, store: str, storage: str, name: str, args: argparse.Na
     log = Path(args.work_dir) / f"trial_{trial}.log"
     pids = Path(args.work_dir) / f"trial_{trial}.pids"
     pids.mkdir()
-    command = [sys.executable, str(Path(__file__).resolve()), "driver", "--storage", storage, "--name", name,
-               "--steps", str(args.steps), "--pace-s", str(args.pace_s), "--trial", str(trial),
-               "--resumes", str(resumes), "--pids", str(pids)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "driver",
+        "--storage",
+        storage,
+        "--name",
+        name,
+        "--steps",
+        str(args.steps),
+        "--pace-s",
+        str(args.pace_s),
+        "--trial",
+        str(trial),
+        "--resumes",
+        str(resumes),
+        "--pids",
+        str(pids),
+    ]
     started = time.monotonic()
     with open(log, "wb") as output:
-        driver = subprocess.Popen(command, env={**os.environ, TAG_VARIABLE: tag}, stdout=output, stderr=output,
-                                  cwd=REPO)
+        driver = subprocess.Popen(
+            command, env={**os.environ, TAG_VARIABLE: tag}, stdout=output, stderr=output, cwd=REPO
+        )
     try:
         killed = wait_or_kill(driver, tag, pids, target, delay, phase)
         driver.wait(timeout=120)
@@ -252,9 +277,18 @@ def one_trial(trial: int, store: str, storage: str, name: str, args: argparse.Na
         problems["unexpected_failure"] = [f"the driver exited with {driver.returncode}: {failure}"]
     finished = (after["record"] or {}).get("status") == "finished"
     outcome = {
-        "trial": trial, "store": store, "run": name, "target": target, "phase": phase, "delay_s": round(delay, 3),
-        "killed": killed, "exit": driver.returncode, "seconds": round(time.monotonic() - started, 2),
-        "finished": finished, "reports": len(after["history"]), "checkpoints": len(after["checks"]),
+        "trial": trial,
+        "store": store,
+        "run": name,
+        "target": target,
+        "phase": phase,
+        "delay_s": round(delay, 3),
+        "killed": killed,
+        "exit": driver.returncode,
+        "seconds": round(time.monotonic() - started, 2),
+        "finished": finished,
+        "reports": len(after["history"]),
+        "checkpoints": len(after["checks"]),
         "problems": {check: lines for check, lines in problems.items() if lines},
     }
     if failure:
@@ -387,8 +421,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stores", nargs="+", choices=["local", "s3"], default=["local", "s3"])
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS})")
     parser.add_argument("--pace-s", type=float, default=0.15, help="seconds of work per step (default 0.15)")
-    parser.add_argument("--max-delay", type=float, default=3.0,
-                        help="a kill during the start comes within this many s of it (default 3)")
+    parser.add_argument(
+        "--max-delay",
+        type=float,
+        default=3.0,
+        help="a kill during the start comes within this many s of it (default 3)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="local storage and logs (default: a new temp folder)")
     parser.add_argument("--verbose", action="store_true", help="print each trial's line")

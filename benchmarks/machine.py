@@ -13,7 +13,8 @@ def _cpu_model() -> str:
     try:
         return next(
             line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
         )
     except (OSError, StopIteration):
         return platform.processor() or "unknown"
@@ -54,6 +55,8 @@ def describe_machine() -> dict[str, str]:
 
 def machine_line(info: dict[str, str]) -> str:
     """One line for a table's heading: the machine and the date."""
-    return (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info.get('memory_gib', '?')} GiB, Python {info['python']}, "
-            f"torch {info['torch']}, Ray {info.get('ray', '?')}, load average at start {info['loadavg_at_start']}; "
-            f"{info['date']}")
+    return (
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info.get('memory_gib', '?')} GiB, Python {info['python']}, "
+        f"torch {info['torch']}, Ray {info.get('ray', '?')}, load average at start {info['loadavg_at_start']}; "
+        f"{info['date']}"
+    )

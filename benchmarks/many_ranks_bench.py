@@ -45,13 +45,25 @@ JOB_TIMEOUT_S = 900
 
 
 def lockstep_command(ranks: int, steps: int, storage: Path) -> list[str]:
-    return [sys.executable, str(JOBS / "ddp_many_lockstep.py"), f"--num-workers={ranks}", f"--steps={steps}",
-            f"--storage-path={storage}"]
+    return [
+        sys.executable,
+        str(JOBS / "ddp_many_lockstep.py"),
+        f"--num-workers={ranks}",
+        f"--steps={steps}",
+        f"--storage-path={storage}",
+    ]
 
 
 def torchrun_command(ranks: int, steps: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-            str(JOBS / "ddp_many_torchrun.py"), f"--steps={steps}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        str(JOBS / "ddp_many_torchrun.py"),
+        f"--steps={steps}",
+    ]
 
 
 def one_run(name: str, ranks: int, steps: int, folder: Path) -> dict[str, Any]:
@@ -65,20 +77,30 @@ def one_run(name: str, ranks: int, steps: int, folder: Path) -> dict[str, Any]:
 def judge(samples: dict[str, list[dict[str, Any]]], ranks: int) -> list[Goal]:
     goals = []
     for figure, limit, what in GOALS:
-        goal = ratio_goal(f"{ranks} ranks, {what}, lockstep / torchrun + DDP",
-                          [sample[figure] for sample in samples["lockstep"]],
-                          [sample[figure] for sample in samples["torchrun"]], limit)
+        goal = ratio_goal(
+            f"{ranks} ranks, {what}, lockstep / torchrun + DDP",
+            [sample[figure] for sample in samples["lockstep"]],
+            [sample[figure] for sample in samples["torchrun"]],
+            limit,
+        )
         goals.append(goal)
     return goals
 
 
 def summary_table(samples: dict[str, list[dict[str, Any]]], ranks: int) -> str:
-    lines = [f"| {ranks} ranks, median over {len(samples['lockstep'])} rounds | lockstep | torchrun + DDP |",
-             "|---|---:|---:|"]
-    for figure, label, scale, unit in (("wall_s", "whole process", 1, " s"), ("p50_s", "rank 0's report / barrier p50",
-                                       1000, " ms"), ("peak_pss", "peak summed PSS", 2**-20, " MiB")):
-        cells = [f"{statistics.median(sample[figure] for sample in samples[name]) * scale:.1f}{unit}"
-                 for name in ("lockstep", "torchrun")]
+    lines = [
+        f"| {ranks} ranks, median over {len(samples['lockstep'])} rounds | lockstep | torchrun + DDP |",
+        "|---|---:|---:|",
+    ]
+    for figure, label, scale, unit in (
+        ("wall_s", "whole process", 1, " s"),
+        ("p50_s", "rank 0's report / barrier p50", 1000, " ms"),
+        ("peak_pss", "peak summed PSS", 2**-20, " MiB"),
+    ):
+        cells = [
+            f"{statistics.median(sample[figure] for sample in samples[name]) * scale:.1f}{unit}"
+            for name in ("lockstep", "torchrun")
+        ]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
@@ -102,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
             for name in order:
                 sample = one_run(name, args.ranks, args.steps, Path(folder))
                 samples[name].append(sample)
-                print(f"round {round_number + 1} {name}: {sample['wall_s']:.1f} s, p50 {sample['p50_s'] * 1000:.1f} ms, "
-                      f"PSS {sample['peak_pss'] / 2**20:.0f} MiB", flush=True)
+                print(
+                    f"round {round_number + 1} {name}: {sample['wall_s']:.1f} s, p50 {sample['p50_s'] * 1000:.1f} ms, "
+                    f"PSS {sample['peak_pss'] / 2**20:.0f} MiB",
+                    flush=True,
+                )
     goals = judge(samples, args.ranks)
     table = summary_table(samples, args.ranks)
     print(table)

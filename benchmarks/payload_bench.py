@@ -22,13 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
+from record import add_results_args, write_result  # noqa: E402
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
 from lockstep.torch import TorchTrainer
-
-from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
-from record import add_results_args, write_result  # noqa: E402
 
 MIB = 2**20
 SAMPLE_INTERVAL_S = 0.02
@@ -88,7 +87,9 @@ def one_run(size_mb: int) -> tuple[float, int]:
     sampler.start()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as storage:
-        TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage)).fit()
+        TorchTrainer(
+            train_fn, scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage)
+        ).fit()
     return time.perf_counter() - started, sampler.stop()
 
 
@@ -96,8 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[0, 256])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help="a check that it works, not a measurement: 1 repeat; results marked quick")
+    parser.add_argument(
+        "--quick", action="store_true", help="a check that it works, not a measurement: 1 repeat; results marked quick"
+    )
     add_results_args(parser)
     args = parser.parse_args()
     if args.quick:
@@ -111,24 +113,46 @@ def main() -> None:
         for size in args.sizes_mb[shift:] + args.sizes_mb[:shift]:
             runs[size].append(one_run(size))
             print(f"[{repeat + 1}/{args.repeats}] {size} MiB: {runs[size][-1][0]:.2f} s", file=sys.stderr, flush=True)
-    summary = {size: {"wall_median_s": statistics.median(wall for wall, _ in values),
-                      "peak_pss_median_bytes": statistics.median(peak for _, peak in values)}
-               for size, values in runs.items()}
-    lines = [machine_line(info), f"Command: `{command}`",
-             f"{args.repeats} interleaved repeat(s), medians; fit() wall time in one driver process, after one "
-             "untimed fit() (the first of a process also waits for the warm process).", "",
-             "| captured tensor (MiB) | fit() wall median (s) | peak PSS, driver + workers (MiB) |", "|---:|---:|---:|"]
-    lines += [f"| {size} | {row['wall_median_s']:.2f} | {row['peak_pss_median_bytes'] / MIB:.0f} |" for size, row in summary.items()]
+    summary = {
+        size: {
+            "wall_median_s": statistics.median(wall for wall, _ in values),
+            "peak_pss_median_bytes": statistics.median(peak for _, peak in values),
+        }
+        for size, values in runs.items()
+    }
+    lines = [
+        machine_line(info),
+        f"Command: `{command}`",
+        f"{args.repeats} interleaved repeat(s), medians; fit() wall time in one driver process, after one "
+        "untimed fit() (the first of a process also waits for the warm process).",
+        "",
+        "| captured tensor (MiB) | fit() wall median (s) | peak PSS, driver + workers (MiB) |",
+        "|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {size} | {row['wall_median_s']:.2f} | {row['peak_pss_median_bytes'] / MIB:.0f} |"
+        for size, row in summary.items()
+    ]
     text = "\n".join(lines)
     print(text)
     largest, smallest = max(args.sizes_mb), min(args.sizes_mb)
-    headline = [{"what": f"fit() with a {largest} MiB tensor in the train function's closure",
-                 "lockstep": f"{summary[largest]['wall_median_s']:.2f} s, {summary[largest]['peak_pss_median_bytes'] / MIB:,.0f} MiB PSS",
-                 "compared_with": f"{smallest} MiB: {summary[smallest]['wall_median_s']:.2f} s, "
-                                  f"{summary[smallest]['peak_pss_median_bytes'] / MIB:,.0f} MiB", "ratio": ""}]
-    document = {"config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-                "summary": summary, "raw": {size: [{"wall_s": wall, "peak_pss_bytes": peak} for wall, peak in values]
-                                            for size, values in runs.items()}}
+    headline = [
+        {
+            "what": f"fit() with a {largest} MiB tensor in the train function's closure",
+            "lockstep": f"{summary[largest]['wall_median_s']:.2f} s, "
+            f"{summary[largest]['peak_pss_median_bytes'] / MIB:,.0f} MiB PSS",
+            "compared_with": f"{smallest} MiB: {summary[smallest]['wall_median_s']:.2f} s, "
+            f"{summary[smallest]['peak_pss_median_bytes'] / MIB:,.0f} MiB",
+            "ratio": "",
+        }
+    ]
+    document = {
+        "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "summary": summary,
+        "raw": {
+            size: [{"wall_s": wall, "peak_pss_bytes": peak} for wall, peak in values] for size, values in runs.items()
+        },
+    }
     path = write_result(args.results_dir, "payload", command, info, args.quick, document, [], text, headline)
     if path is not None:
         print(f"results: {path}", file=sys.stderr)

@@ -37,8 +37,9 @@ from ray_many_bench import VARIANTS, start_cluster
 from record import add_results_args, write_result
 
 TICKS = os.sysconf("SC_CLK_TCK")
-BOOT_TIME_S = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                   if line.startswith("btime"))
+BOOT_TIME_S = next(
+    float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+)
 RAY_SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py", "ray_client_server")
 
 
@@ -110,20 +111,36 @@ def rank_marks(folder: Path) -> dict[str, dict[str, float]]:
     """Per mark, the median over ranks of the CPU seconds and the age (seconds since the rank's
     process started) each rank had reached there."""
     ranks = [json.loads(path.read_text()) for path in folder.glob("rank*.json")]
-    return {mark: {"cpu_s": statistics.median(rank[mark][0] for rank in ranks),
-                   "age_s": statistics.median(rank[mark][1] for rank in ranks)} for mark in MARKS} if ranks else {}
+    return (
+        {
+            mark: {
+                "cpu_s": statistics.median(rank[mark][0] for rank in ranks),
+                "age_s": statistics.median(rank[mark][1] for rank in ranks),
+            }
+            for mark in MARKS
+        }
+        if ranks
+        else {}
+    )
 
 
 def one_variant(variant: str, ranks: int, steps: int, address: str, folder: Path) -> dict[str, Any]:
     env = {**os.environ, "RAY_ADDRESS": address}
     marks_dir = folder / f"marks_{variant}"
     marks_dir.mkdir()
-    command = [sys.executable, str(JOBS / "ddp_many_lockstep.py"), f"--num-workers={ranks}", f"--steps={steps}",
-               "--spread", f"--storage-path={folder / 'runs'}", f"--marks-dir={marks_dir}", VARIANTS[variant][0]]
+    command = [
+        sys.executable,
+        str(JOBS / "ddp_many_lockstep.py"),
+        f"--num-workers={ranks}",
+        f"--steps={steps}",
+        "--spread",
+        f"--storage-path={folder / 'runs'}",
+        f"--marks-dir={marks_dir}",
+        VARIANTS[variant][0],
+    ]
     launched = time.time()
     with Sampler() as sampler:
-        job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               cwd=JOBS)
+        job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=JOBS)
         output, _ = job.communicate(timeout=900)
     wall = time.time() - launched
     fit_s = json.loads(output.split("BENCH_JSON ", 1)[1].splitlines()[0])["fit_s"]
@@ -135,20 +152,30 @@ def one_variant(variant: str, ranks: int, steps: int, address: str, folder: Path
         if group == "ray workers" and entry["start"] >= launched - 1 and entry["cpu"] > 0.05:
             worker_cpu.append(entry["cpu"])
             worker_starts.append(entry["start"] - launched)
-    return {"fit_s": fit_s, "wall_s": wall, "cpu_s": groups, "workers": len(worker_cpu), "marks": rank_marks(marks_dir),
-            "worker_cpu_median_s": statistics.median(worker_cpu) if worker_cpu else 0.0,
-            "worker_start_s": [min(worker_starts, default=0.0), max(worker_starts, default=0.0)]}
+    return {
+        "fit_s": fit_s,
+        "wall_s": wall,
+        "cpu_s": groups,
+        "workers": len(worker_cpu),
+        "marks": rank_marks(marks_dir),
+        "worker_cpu_median_s": statistics.median(worker_cpu) if worker_cpu else 0.0,
+        "worker_start_s": [min(worker_starts, default=0.0), max(worker_starts, default=0.0)],
+    }
 
 
 def describe(variant: str, result: dict[str, Any]) -> str:
     cpu = ", ".join(f"{name} {seconds:.1f}" for name, seconds in sorted(result["cpu_s"].items()))
-    line = (f"{VARIANTS[variant][1]}: fit {result['fit_s']:.1f} s, whole {result['wall_s']:.1f} s "
-            f"(2 CPUs: {2 * result['wall_s']:.0f} CPU-s at most); CPU-s: {cpu}; "
-            f"total {sum(result['cpu_s'].values()):.1f}; "
-            f"{result['workers']} Ray workers, median {result['worker_cpu_median_s']:.2f} CPU-s each, started "
-            f"{result['worker_start_s'][0]:.1f}-{result['worker_start_s'][1]:.1f} s after launch")
-    marks = "; ".join(f"{mark} at {figures['cpu_s']:.2f} CPU-s, {figures['age_s']:.1f} s old"
-                      for mark, figures in result["marks"].items())
+    line = (
+        f"{VARIANTS[variant][1]}: fit {result['fit_s']:.1f} s, whole {result['wall_s']:.1f} s "
+        f"(2 CPUs: {2 * result['wall_s']:.0f} CPU-s at most); CPU-s: {cpu}; "
+        f"total {sum(result['cpu_s'].values()):.1f}; "
+        f"{result['workers']} Ray workers, median {result['worker_cpu_median_s']:.2f} CPU-s each, started "
+        f"{result['worker_start_s'][0]:.1f}-{result['worker_start_s'][1]:.1f} s after launch"
+    )
+    marks = "; ".join(
+        f"{mark} at {figures['cpu_s']:.2f} CPU-s, {figures['age_s']:.1f} s old"
+        for mark, figures in result["marks"].items()
+    )
     return line + (f"\n  a rank's process, medians over ranks: {marks}" if marks else "")
 
 
@@ -171,9 +198,16 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         cluster.shutdown()
     command = "python benchmarks/ray_cpu_split.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    path = write_result(args.results_dir, "ray-cpu-split", command, info, False,
-                        {"samples": found, "config": vars(args) | {"results_dir": str(args.results_dir)}}, [],
-                        "\n".join(lines))
+    path = write_result(
+        args.results_dir,
+        "ray-cpu-split",
+        command,
+        info,
+        False,
+        {"samples": found, "config": vars(args) | {"results_dir": str(args.results_dir)}},
+        [],
+        "\n".join(lines),
+    )
     if path is not None:
         print(f"results: {path}")
 

@@ -52,8 +52,15 @@ def start_cluster() -> Any:
 
 def one_run(variant: str, ranks: int, steps: int, address: str, folder: Path, log_name: str) -> dict[str, Any]:
     env = {**os.environ, "RAY_ADDRESS": address}
-    command = [sys.executable, str(JOBS / "ddp_many_lockstep.py"), f"--num-workers={ranks}", f"--steps={steps}",
-               "--spread", f"--storage-path={folder / 'runs'}", VARIANTS[variant][0]]
+    command = [
+        sys.executable,
+        str(JOBS / "ddp_many_lockstep.py"),
+        f"--num-workers={ranks}",
+        f"--steps={steps}",
+        "--spread",
+        f"--storage-path={folder / 'runs'}",
+        VARIANTS[variant][0],
+    ]
     result = run_job(command, env, folder / log_name, timeout_s=JOB_TIMEOUT_S, sample_rss=False)
     if "fit_s" not in result.data:
         raise SystemExit(f"ray_many_bench: {variant} printed no BENCH_JSON line; see {folder / log_name}")
@@ -61,11 +68,19 @@ def one_run(variant: str, ranks: int, steps: int, address: str, folder: Path, lo
 
 
 def summary_table(samples: dict[str, list[dict[str, Any]]], ranks: int) -> str:
-    lines = [f"| {ranks} ranks SPREAD, {RAYLETS} raylets, median over {len(samples['lockstep'])} rounds "
-             f"| {VARIANTS['lockstep'][1]} | {VARIANTS['ray_train'][1]} |", "|---|---:|---:|"]
-    for figure, label, scale, unit in (("fit_s", "fit()", 1, " s"), ("wall_s", "whole process", 1, " s"),
-                                       ("p50_s", "rank 0's report() p50", 1000, " ms")):
-        cells = [f"{statistics.median(sample[figure] for sample in samples[name]) * scale:.1f}{unit}" for name in VARIANTS]
+    lines = [
+        f"| {ranks} ranks SPREAD, {RAYLETS} raylets, median over {len(samples['lockstep'])} rounds "
+        f"| {VARIANTS['lockstep'][1]} | {VARIANTS['ray_train'][1]} |",
+        "|---|---:|---:|",
+    ]
+    for figure, label, scale, unit in (
+        ("fit_s", "fit()", 1, " s"),
+        ("wall_s", "whole process", 1, " s"),
+        ("p50_s", "rank 0's report() p50", 1000, " ms"),
+    ):
+        cells = [
+            f"{statistics.median(sample[figure] for sample in samples[name]) * scale:.1f}{unit}" for name in VARIANTS
+        ]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
@@ -91,21 +106,37 @@ def main(argv: list[str] | None = None) -> None:
             for round_number in range(args.rounds):
                 order = list(VARIANTS) if round_number % 2 == 0 else list(reversed(VARIANTS))
                 for name in order:
-                    sample = one_run(name, args.ranks, args.steps, cluster.address, Path(folder),
-                                     f"{name}_{round_number}.log")
+                    sample = one_run(
+                        name, args.ranks, args.steps, cluster.address, Path(folder), f"{name}_{round_number}.log"
+                    )
                     samples[name].append(sample)
-                    print(f"round {round_number + 1} {name}: fit {sample['fit_s']:.1f} s, whole {sample['wall_s']:.1f} s, "
-                          f"report p50 {sample['p50_s'] * 1000:.1f} ms", flush=True)
+                    print(
+                        f"round {round_number + 1} {name}: fit {sample['fit_s']:.1f} s, "
+                        f"whole {sample['wall_s']:.1f} s, "
+                        f"report p50 {sample['p50_s'] * 1000:.1f} ms",
+                        flush=True,
+                    )
     finally:
         cluster.shutdown()
-    goal = ratio_goal(f"{args.ranks} ranks SPREAD on {RAYLETS} raylets, fit(), lockstep (Ray executor) / Ray Train",
-                      [sample["fit_s"] for sample in samples["lockstep"]],
-                      [sample["fit_s"] for sample in samples["ray_train"]], GOAL)
+    goal = ratio_goal(
+        f"{args.ranks} ranks SPREAD on {RAYLETS} raylets, fit(), lockstep (Ray executor) / Ray Train",
+        [sample["fit_s"] for sample in samples["lockstep"]],
+        [sample["fit_s"] for sample in samples["ray_train"]],
+        GOAL,
+    )
     text = f"Ray {ray.__version__}\n\n" + summary_table(samples, args.ranks) + "\n\n" + goals_markdown([goal])
     print(text)
     command = "python benchmarks/ray_many_bench.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    path = write_result(args.results_dir, "ray-many", command, info, args.quick, {"ray": ray.__version__,
-                        "samples": samples, "config": vars(args) | {"results_dir": str(args.results_dir)}}, [goal], text)
+    path = write_result(
+        args.results_dir,
+        "ray-many",
+        command,
+        info,
+        args.quick,
+        {"ray": ray.__version__, "samples": samples, "config": vars(args) | {"results_dir": str(args.results_dir)}},
+        [goal],
+        text,
+    )
     if path is not None:
         print(f"results: {path}")
 

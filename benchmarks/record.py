@@ -103,16 +103,22 @@ def goals_markdown(goals: Sequence[Goal]) -> str:
     for goal in goals:
         sign = "<=" if goal.at_most else ">="
         ci = f"{fmt(goal.ci95[0], goal.unit)} – {fmt(goal.ci95[1], goal.unit)}" if goal.ci95 else "–"
-        lines.append(f"| {goal.name} {sign} {fmt(goal.limit, goal.unit)} | {goal.statistic} | "
-                     f"{fmt(goal.value, goal.unit)} | {ci} | {goal.verdict} |")
+        lines.append(
+            f"| {goal.name} {sign} {fmt(goal.limit, goal.unit)} | {goal.statistic} | "
+            f"{fmt(goal.value, goal.unit)} | {ci} | {goal.verdict} |"
+        )
     return "\n".join(lines)
 
 
 # -- statistics ---------------------------------------------------------------------------------
 
 
-def bootstrap_ci(values: Sequence[float], statistic: Callable[[Sequence[float]], float] = statistics.median,
-                 level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+def bootstrap_ci(
+    values: Sequence[float],
+    statistic: Callable[[Sequence[float]], float] = statistics.median,
+    level: float = 0.95,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+) -> tuple[float, float]:
     """Percentile bootstrap interval of ``statistic`` over ``values`` (fixed seed: reproducible)."""
     if len(values) < 2:
         return (values[0], values[0]) if values else (float("nan"), float("nan"))
@@ -126,14 +132,20 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     """Per-round ratios of two equally long series measured in the same rounds."""
     if len(numerators) != len(denominators):
         raise ValueError(f"paired_ratios: {len(numerators)} against {len(denominators)} rounds")
-    return [a / b for a, b in zip(numerators, denominators)]
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
 
 
 def ratio_goal(name: str, numerators: Sequence[float], denominators: Sequence[float], limit: float) -> Goal:
     """A "ratio <= limit" goal judged by the median of the paired per-round ratios."""
     ratios = paired_ratios(numerators, denominators)
-    return Goal(name, f"median of paired per-round ratios, {len(ratios)} rounds", statistics.median(ratios),
-                limit, ci95=bootstrap_ci(ratios), rounds=len(ratios))
+    return Goal(
+        name,
+        f"median of paired per-round ratios, {len(ratios)} rounds",
+        statistics.median(ratios),
+        limit,
+        ci95=bootstrap_ci(ratios),
+        rounds=len(ratios),
+    )
 
 
 def ratio_of_medians(numerators: Sequence[float], denominators: Sequence[float]) -> tuple[float, tuple[float, float]]:
@@ -146,7 +158,9 @@ def ratio_of_medians(numerators: Sequence[float], denominators: Sequence[float])
     estimates = []
     for _ in range(BOOTSTRAP_RESAMPLES):
         picked = generator.choices(rounds, k=len(numerators))
-        estimates.append(statistics.median(numerators[i] for i in picked) / statistics.median(denominators[i] for i in picked))
+        estimates.append(
+            statistics.median(numerators[i] for i in picked) / statistics.median(denominators[i] for i in picked)
+        )
     estimates.sort()
     interval = (estimates[int(0.025 * (BOOTSTRAP_RESAMPLES - 1))], estimates[int(0.975 * (BOOTSTRAP_RESAMPLES - 1))])
     return statistics.median(numerators) / statistics.median(denominators), interval
@@ -166,9 +180,17 @@ def git_state() -> dict[str, Any]:
     return {"commit": commit, "short": commit[:7], "dirty": dirty}
 
 
-def write_result(results_dir: Path | None, kind: str, command: str, machine: dict[str, str], quick: bool,
-                 document: dict[str, Any], goals: Sequence[Goal], markdown: str,
-                 headline: Sequence[dict[str, str]] = ()) -> Path | None:
+def write_result(
+    results_dir: Path | None,
+    kind: str,
+    command: str,
+    machine: dict[str, str],
+    quick: bool,
+    document: dict[str, Any],
+    goals: Sequence[Goal],
+    markdown: str,
+    headline: Sequence[dict[str, str]] = (),
+) -> Path | None:
     """Write one results file into ``results_dir`` (nothing when it is None); return its path.
 
     ``headline``: rows for the top-level README's performance table (``what``, ``lockstep``,
@@ -182,9 +204,16 @@ def write_result(results_dir: Path | None, kind: str, command: str, machine: dic
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     path = results_dir / f"{kind}-{stamp}-{git['short']}{'-quick' if quick else ''}.json"
     record = {
-        "kind": kind, "quick": quick, "date_utc": now.isoformat(timespec="seconds"), "git": git,
-        "command": command, "machine": machine, "goals": [goal.as_dict() for goal in goals],
-        "headline": list(headline), "markdown": markdown, **document,
+        "kind": kind,
+        "quick": quick,
+        "date_utc": now.isoformat(timespec="seconds"),
+        "git": git,
+        "command": command,
+        "machine": machine,
+        "goals": [goal.as_dict() for goal in goals],
+        "headline": list(headline),
+        "markdown": markdown,
+        **document,
     }
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path
@@ -192,6 +221,11 @@ def write_result(results_dir: Path | None, kind: str, command: str, machine: dic
 
 def add_results_args(parser: Any) -> None:
     """The ``--results-dir`` option every script takes."""
-    parser.add_argument("--results-dir", type=Path, default=None, metavar="DIR",
-                        help="write a results file (date, machine, commit, command, raw samples) into DIR; "
-                             "make bench passes benchmarks/results")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write a results file (date, machine, commit, command, raw samples) into DIR; "
+        "make bench passes benchmarks/results",
+    )

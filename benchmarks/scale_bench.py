@@ -70,104 +70,113 @@ SIZE_TIMEOUT_S = 600
 
 
 def _scripted_group_class() -> Any:
-    """The worker group of scripted ranks (defined here so that the parent never imports lockstep)."""
+    """The worker group of scripted ranks: :class:`ScriptedRanks` on lockstep's ``ChannelGroup``
+    (put together here so that the parent never imports lockstep)."""
     from lockstep._internal.executors.channels import ChannelGroup
     from lockstep._internal.run.worker_group import WorkerExited
 
-    class ScriptedGroup(ChannelGroup):
-        """``world_size`` scripted ranks in processes of ``per_process`` (the last rank alone)."""
-
-        def __init__(self, world_size: int, log_dir: str, script: dict[str, Any], per_process: int) -> None:
-            super().__init__("127.0.0.1", world_size, log_dir, "none")
-            self.world_size = world_size
-            self.script = script
-            self.layout = _layout(world_size, per_process)
-            self.processes: list[subprocess.Popen[bytes]] = []
-            self.exit_handles: dict[int, int] = {}  # pidfd -> process index
-            self.released = False
-
-        def start(self) -> None:
-            for number, ranks in enumerate(self.layout):
-                self.processes.append(self._start_process(number, ranks))
-                handle = os.pidfd_open(self.processes[-1].pid)
-                self.exit_handles[handle] = number
-                self._channels.watch(handle, tag=handle)
-
-        def _start_process(self, number: int, ranks: list[int]) -> subprocess.Popen[bytes]:
-            pipes = {rank: (os.pipe(), os.pipe()) for rank in ranks}
-            spec = {
-                **self.script,
-                "victim": number == len(self.layout) - 1,
-                "stats_path": os.path.join(self.script["stats_dir"], f"process_{number}.json"),
-                "ranks": [
-                    {"rank": rank, "env": self._channels.worker_env(rank), "stdout_fd": out[1], "stderr_fd": err[1]}
-                    for rank, (out, err) in pipes.items()
-                ],
-            }
-            write_ends = [end for out, err in pipes.values() for end in (out[1], err[1])]
-            process = subprocess.Popen(
-                [sys.executable, str(RANKS_SCRIPT)], stdin=subprocess.PIPE, pass_fds=write_ends, start_new_session=True
-            )
-            for end in write_ends:
-                os.close(end)
-            for rank, (out, err) in pipes.items():
-                assert self._output is not None
-                self._output.attach(rank, os.fdopen(out[0], "rb", buffering=0), os.fdopen(err[0], "rb", buffering=0))
-            assert process.stdin is not None
-            process.stdin.write(json.dumps(spec).encode() + b"\n")
-            process.stdin.flush()
-            return process
-
-        def _release_when_all_connected(self) -> None:
-            """Let every process start its reports once every rank is connected: real ranks start
-            training only after ``init_process_group`` has seen them all."""
-            if self.released or len(self._channels.connected_ranks()) < self.world_size:
-                return
-            self.released = True
-            for process in self.processes:
-                with contextlib.suppress(BrokenPipeError):  # it died: its ranks' failures say so
-                    self._tell(process, b"go\n")
-
-        @staticmethod
-        def _tell(process: subprocess.Popen[bytes], line: bytes) -> None:
-            assert process.stdin is not None
-            try:
-                if process.poll() is None:
-                    process.stdin.write(line)
-            finally:
-                process.stdin.close()
-
-        def wait_events(self, timeout: float | None) -> list[Any]:
-            events, exited = self._wait(timeout)
-            self._release_when_all_connected()
-            for handle in exited:
-                number = self.exit_handles.pop(handle)
-                self._channels.unwatch(handle)
-                os.close(handle)
-                process = self.processes[number]
-                process.wait()
-                for rank in self.layout[number]:
-                    events += [*self._channels.drain_rank(rank), WorkerExited(rank, process.returncode)]
-            return events
-
-        def victim_pid(self) -> int:
-            return self.processes[-1].pid
-
-        def stop(self) -> None:
-            for process in self.processes:
-                if process.stdin is not None and not process.stdin.closed:  # never released
-                    with contextlib.suppress(BrokenPipeError):
-                        process.stdin.close()
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-            for process in self.processes:
-                process.wait()
-            for handle in self.exit_handles:
-                os.close(handle)
-            self.exit_handles.clear()
-            self._close_channels()
+    class ScriptedGroup(ScriptedRanks, ChannelGroup):
+        worker_exited = WorkerExited
 
     return ScriptedGroup
+
+
+class ScriptedRanks:
+    """``world_size`` scripted ranks in processes of ``per_process`` (the last rank alone): the
+    methods of the group that :func:`_scripted_group_class` mixes into lockstep's ``ChannelGroup``
+    (whose ``_channels``, ``_output``, ``_wait`` and ``_close_channels`` they use)."""
+
+    worker_exited: Any  #: lockstep's ``WorkerExited``, set by :func:`_scripted_group_class`
+
+    def __init__(self, world_size: int, log_dir: str, script: dict[str, Any], per_process: int) -> None:
+        super().__init__("127.0.0.1", world_size, log_dir, "none")
+        self.world_size = world_size
+        self.script = script
+        self.layout = _layout(world_size, per_process)
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.exit_handles: dict[int, int] = {}  # pidfd -> process index
+        self.released = False
+
+    def start(self) -> None:
+        for number, ranks in enumerate(self.layout):
+            self.processes.append(self._start_process(number, ranks))
+            handle = os.pidfd_open(self.processes[-1].pid)
+            self.exit_handles[handle] = number
+            self._channels.watch(handle, tag=handle)
+
+    def _start_process(self, number: int, ranks: list[int]) -> subprocess.Popen[bytes]:
+        pipes = {rank: (os.pipe(), os.pipe()) for rank in ranks}
+        spec = {
+            **self.script,
+            "victim": number == len(self.layout) - 1,
+            "stats_path": os.path.join(self.script["stats_dir"], f"process_{number}.json"),
+            "ranks": [
+                {"rank": rank, "env": self._channels.worker_env(rank), "stdout_fd": out[1], "stderr_fd": err[1]}
+                for rank, (out, err) in pipes.items()
+            ],
+        }
+        write_ends = [end for out, err in pipes.values() for end in (out[1], err[1])]
+        process = subprocess.Popen(
+            [sys.executable, str(RANKS_SCRIPT)], stdin=subprocess.PIPE, pass_fds=write_ends, start_new_session=True
+        )
+        for end in write_ends:
+            os.close(end)
+        for rank, (out, err) in pipes.items():
+            assert self._output is not None
+            self._output.attach(rank, os.fdopen(out[0], "rb", buffering=0), os.fdopen(err[0], "rb", buffering=0))
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(spec).encode() + b"\n")
+        process.stdin.flush()
+        return process
+
+    def _release_when_all_connected(self) -> None:
+        """Let every process start its reports once every rank is connected: real ranks start
+        training only after ``init_process_group`` has seen them all."""
+        if self.released or len(self._channels.connected_ranks()) < self.world_size:
+            return
+        self.released = True
+        for process in self.processes:
+            with contextlib.suppress(BrokenPipeError):  # it died: its ranks' failures say so
+                self._tell(process, b"go\n")
+
+    @staticmethod
+    def _tell(process: subprocess.Popen[bytes], line: bytes) -> None:
+        assert process.stdin is not None
+        try:
+            if process.poll() is None:
+                process.stdin.write(line)
+        finally:
+            process.stdin.close()
+
+    def wait_events(self, timeout: float | None) -> list[Any]:
+        events, exited = self._wait(timeout)
+        self._release_when_all_connected()
+        for handle in exited:
+            number = self.exit_handles.pop(handle)
+            self._channels.unwatch(handle)
+            os.close(handle)
+            process = self.processes[number]
+            process.wait()
+            for rank in self.layout[number]:
+                events += [*self._channels.drain_rank(rank), self.worker_exited(rank, process.returncode)]
+        return events
+
+    def victim_pid(self) -> int:
+        return self.processes[-1].pid
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.stdin is not None and not process.stdin.closed:  # never released
+                with contextlib.suppress(BrokenPipeError):
+                    process.stdin.close()
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+        for handle in self.exit_handles:
+            os.close(handle)
+        self.exit_handles.clear()
+        self._close_channels()
 
 
 def _layout(world_size: int, per_process: int) -> list[list[int]]:
@@ -287,8 +296,15 @@ def run_one_size(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(workdir, ignore_errors=True)  # the run's files and rank logs: read by _figures
 
 
-def _figures(size: int, args: argparse.Namespace, probe: Probe, started: float, stats_dir: Path, log_dir: Path,
-             peak_rss_mib: float) -> dict[str, Any]:
+def _figures(
+    size: int,
+    args: argparse.Namespace,
+    probe: Probe,
+    started: float,
+    stats_dir: Path,
+    log_dir: Path,
+    peak_rss_mib: float,
+) -> dict[str, Any]:
     stats = [json.loads(path.read_text()) for path in sorted(stats_dir.glob("process_*.json"))]
     round_trips = sorted(trip for item in stats for trip in item["round_trips_s"])
     sent = max(item["checkpoint_report_sent_at"] for item in stats)
@@ -311,7 +327,9 @@ def _figures(size: int, args: argparse.Namespace, probe: Probe, started: float, 
         "driver_rss_mib": peak_rss_mib,
         "output_lines_lost": _lines_lost(log_dir, written),
         "output_block_ms": 1000 * max(item["longest_output_write_s"] for item in stats),
-        "lost_rank_named_s": (probe.failed_at - probe.killed_at) if named and probe.failed_at and probe.killed_at else None,
+        "lost_rank_named_s": (probe.failed_at - probe.killed_at)
+        if named and probe.failed_at and probe.killed_at
+        else None,
         "error_names_rank": named,
     }
 
@@ -328,9 +346,19 @@ def _lines_lost(log_dir: Path, written: dict[int, int]) -> int:
 
 # -- the benchmark: sizes interleaved over rounds ------------------------------------------------
 
-FIELDS = ("connect_s", "report_p50_ms", "report_p99_ms", "commit_s", "driver_cpu_ms_per_report", "driver_rss_mib",
-          "output_lines_lost", "output_block_ms", "lost_rank_named_s", "driver_user_ms_per_report",
-          "driver_system_ms_per_report")
+FIELDS = (
+    "connect_s",
+    "report_p50_ms",
+    "report_p99_ms",
+    "commit_s",
+    "driver_cpu_ms_per_report",
+    "driver_rss_mib",
+    "output_lines_lost",
+    "output_block_ms",
+    "lost_rank_named_s",
+    "driver_user_ms_per_report",
+    "driver_system_ms_per_report",
+)
 
 
 def scale_line(figures: dict[str, Any]) -> str:
@@ -338,14 +366,29 @@ def scale_line(figures: dict[str, Any]) -> str:
     parts = [f"ranks={figures['ranks']}"]
     for name in FIELDS:
         value = figures.get(name)
-        parts.append(f"{name}=" + ("n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)))
+        parts.append(
+            f"{name}=" + ("n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
+        )
     return "SCALE " + " ".join(parts)
 
 
 def run_size_process(size: int, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--one", str(size), "--reports", str(args.reports),
-               "--interval-ms", str(args.interval_ms), "--output-s", str(args.output_s),
-               "--lines-per-s", str(args.lines_per_s), "--ranks-per-process", str(args.ranks_per_process)]
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        str(size),
+        "--reports",
+        str(args.reports),
+        "--interval-ms",
+        str(args.interval_ms),
+        "--output-s",
+        str(args.output_s),
+        "--lines-per-s",
+        str(args.lines_per_s),
+        "--ranks-per-process",
+        str(args.ranks_per_process),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=SIZE_TIMEOUT_S, check=False)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("FIGURES ")]
     if completed.returncode != 0 or not lines:
@@ -383,18 +426,35 @@ def judge(by_size: dict[int, list[dict[str, Any]]]) -> list[Goal]:
         if len(values) < len(samples):
             values = []  # a round that could not measure it (e.g. the error did not name the rank)
         value = statistics.median(values) if values else float("inf")
-        goals.append(Goal(f"{largest} ranks: {name}", f"median over {len(samples)} rounds of the per-round figure",
-                          value, limit, unit=unit, ci95=bootstrap_ci(values) if len(values) > 1 else None,
-                          rounds=len(samples)))
+        goals.append(
+            Goal(
+                f"{largest} ranks: {name}",
+                f"median over {len(samples)} rounds of the per-round figure",
+                value,
+                limit,
+                unit=unit,
+                ci95=bootstrap_ci(values) if len(values) > 1 else None,
+                rounds=len(samples),
+            )
+        )
     lost = sum(sample["output_lines_lost"] for sample in samples)
-    goals.append(Goal(f"{largest} ranks: output lines lost", f"sum over {len(samples)} rounds", lost, 0.0,
-                      rounds=len(samples)))
+    goals.append(
+        Goal(f"{largest} ranks: output lines lost", f"sum over {len(samples)} rounds", lost, 0.0, rounds=len(samples))
+    )
     smallest = min(by_size)
     if smallest < largest:
-        ratio = (statistics.median(sample["driver_cpu_ms_per_report"] for sample in samples)
-                 / statistics.median(sample["driver_cpu_ms_per_report"] for sample in by_size[smallest]))
-        goals.append(Goal(f"driver CPU per report, {largest} / {smallest} ranks (at most linear)",
-                          "ratio of the medians over rounds", ratio, largest / smallest, rounds=len(samples)))
+        ratio = statistics.median(sample["driver_cpu_ms_per_report"] for sample in samples) / statistics.median(
+            sample["driver_cpu_ms_per_report"] for sample in by_size[smallest]
+        )
+        goals.append(
+            Goal(
+                f"driver CPU per report, {largest} / {smallest} ranks (at most linear)",
+                "ratio of the medians over rounds",
+                ratio,
+                largest / smallest,
+                rounds=len(samples),
+            )
+        )
     return goals
 
 
@@ -430,8 +490,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     print(goals_markdown(goals))
     command = "python benchmarks/scale_bench.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    document = {"samples": {str(size): samples for size, samples in by_size.items()},
-                "summary": [medians(samples) for samples in by_size.values()]}
+    document = {
+        "samples": {str(size): samples for size, samples in by_size.items()},
+        "summary": [medians(samples) for samples in by_size.values()],
+    }
     kind = "scale" if max(args.ranks) >= 1024 else "scale-small"  # make bench's sizes don't replace the 1,024 run
     path = write_result(args.results_dir, kind, command, info, args.quick, document, goals, text)
     if path is not None:

@@ -20,6 +20,7 @@ then runs the script below for all its ranks, rank by rank within each step:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -169,10 +170,8 @@ def main() -> None:
     for rank in ranks:
         rank.send(protocol.Report(rank=rank.rank, index=index, metrics_json=None))
     for rank in ranks:
-        try:
+        with contextlib.suppress(EOFError, OSError):
             rank.answer()
-        except (EOFError, OSError):
-            pass
     while True:  # the driver stops the group once the victim is named
         time.sleep(60)
 

@@ -69,8 +69,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "jobs"))
 
 from machine import describe_machine, machine_line  # noqa: E402 - benchmarks/ is the script folder
-from record import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, Goal, add_results_args, bootstrap_ci,  # noqa: E402
-                    goals_markdown, paired_ratios, ratio_of_medians, write_result)
+from record import (  # noqa: E402
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    Goal,
+    add_results_args,
+    bootstrap_ci,
+    goals_markdown,
+    paired_ratios,
+    ratio_of_medians,
+    write_result,
+)
 
 GOAL_RATIO = 0.99
 WARMUP_STEPS = 20
@@ -99,27 +108,27 @@ def timed_steps(loader: Any, model: Any, optimizer: Any, steps: int) -> float:
 
 
 def prepared_setup(dataset: Any) -> tuple[Any, Any]:
+    from mlp_common import NeuralNetwork
     from torch.utils.data import DataLoader
 
     from lockstep.torch import prepare_data_loader, prepare_model
-    from mlp_common import NeuralNetwork
 
     return prepare_data_loader(DataLoader(dataset, batch_size=BATCH, shuffle=True)), prepare_model(NeuralNetwork())
 
 
 def hand_written_setup(dataset: Any) -> tuple[Any, Any]:
+    from mlp_common import NeuralNetwork
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from mlp_common import NeuralNetwork
-
-    return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset)), DistributedDataParallel(NeuralNetwork())
+    return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset)), DistributedDataParallel(
+        NeuralNetwork()
+    )
 
 
 def whole_runs(config: dict[str, Any]) -> dict[str, list[float]]:
     """Alternate the two set-ups; the steps/s of each round."""
     import torch
-
     from mlp_common import load_data
 
     training, _ = load_data(config["data_dir"], None)
@@ -184,10 +193,14 @@ def direct_loader(config: dict[str, Any], world_size: int) -> dict[str, list[flo
     from lockstep.torch import prepare_data_loader
 
     dataset = TensorDataset(torch.arange(world_size * BATCH * config["loader_block"]))
-    loaders = {"prepared": prepare_data_loader(DataLoader(dataset, batch_size=BATCH, shuffle=True)),
-               "bare": DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=True))}
+    loaders = {
+        "prepared": prepare_data_loader(DataLoader(dataset, batch_size=BATCH, shuffle=True)),
+        "bare": DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=True)),
+    }
     if type(loaders["prepared"]).__name__ != "ResumableDataLoader":
-        raise RuntimeError(f"prepare_data_loader returned a {type(loaders['prepared']).__name__}, not lockstep's loader")
+        raise RuntimeError(
+            f"prepare_data_loader returned a {type(loaders['prepared']).__name__}, not lockstep's loader"
+        )
     for name in loaders:  # warm-up
         loader_block(loaders[name], config["loader_block"])
     times: dict[str, list[float]] = {}
@@ -203,10 +216,10 @@ def direct_model(args: argparse.Namespace) -> dict[str, Any]:
     process, in a gloo group of one rank, 1 thread like a worker)."""
     import torch
     import torch.distributed as dist
+    from mlp_common import NeuralNetwork
     from torch.nn.parallel import DistributedDataParallel
 
     from lockstep._internal.rank.step_timing import CLOCK, with_all_reduce_timing
-    from mlp_common import NeuralNetwork
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -264,11 +277,12 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
 
 def per_step_differences_us(times: dict[str, list[float]], part: str) -> list[float]:
     """Per round, lockstep's block median step - the bare block's, in microseconds."""
-    return [(a - b) * 1e6 for a, b in zip(times[f"{part}_prepared"], times[f"{part}_bare"])]
+    return [(a - b) * 1e6 for a, b in zip(times[f"{part}_prepared"], times[f"{part}_bare"], strict=True)]
 
 
-def added_per_step(loader_us: list[float], model_us: list[float], report_s: list[float],
-                   steps_per_report: int) -> tuple[float, tuple[float, float], float]:
+def added_per_step(
+    loader_us: list[float], model_us: list[float], report_s: list[float], steps_per_report: int
+) -> tuple[float, tuple[float, float], float]:
     """The added µs per step, its bootstrap 95% interval, and report()'s share of it."""
     report_us = [value * 1e6 / steps_per_report for value in report_s]
 
@@ -277,8 +291,11 @@ def added_per_step(loader_us: list[float], model_us: list[float], report_s: list
 
     generator = random.Random(BOOTSTRAP_SEED)
     estimates = sorted(
-        total(generator.choices(loader_us, k=len(loader_us)), generator.choices(model_us, k=len(model_us)),
-              generator.choices(report_us, k=len(report_us)))
+        total(
+            generator.choices(loader_us, k=len(loader_us)),
+            generator.choices(model_us, k=len(model_us)),
+            generator.choices(report_us, k=len(report_us)),
+        )
         for _ in range(BOOTSTRAP_RESAMPLES)
     )
     interval = (estimates[int(0.025 * (BOOTSTRAP_RESAMPLES - 1))], estimates[int(0.975 * (BOOTSTRAP_RESAMPLES - 1))])
@@ -295,27 +312,46 @@ def summarize(output: dict[str, Any], args: argparse.Namespace) -> tuple[dict[st
     added, (low, high), report_us = added_per_step(loader_us, model_us, output["report_s"], args.steps_per_report)
     ratio, ratio_ci = ratio_of_medians(rates["prepared"], rates["hand_written"])
     summary = {
-        "whole_runs": {"medians_steps_per_s": {name: statistics.median(values) for name, values in rates.items()},
-                       "ratio_of_medians": ratio, "ratio_of_medians_ci95": ratio_ci,
-                       "median_paired_ratio": statistics.median(ratios), "ci95": bootstrap_ci(ratios),
-                       "min_ratio": min(ratios), "max_ratio": max(ratios)},
+        "whole_runs": {
+            "medians_steps_per_s": {name: statistics.median(values) for name, values in rates.items()},
+            "ratio_of_medians": ratio,
+            "ratio_of_medians_ci95": ratio_ci,
+            "median_paired_ratio": statistics.median(ratios),
+            "ci95": bootstrap_ci(ratios),
+            "min_ratio": min(ratios),
+            "max_ratio": max(ratios),
+        },
         "step_us": step_us,
-        "direct": {"loader_us": statistics.median(loader_us), "loader_ci95": bootstrap_ci(loader_us),
-                   "model_us": statistics.median(model_us), "model_ci95": bootstrap_ci(model_us),
-                   "report_per_step_us": report_us, "report_p50_ms": statistics.median(output["report_s"]) * 1e3,
-                   "added_us": added, "added_ci95_us": (low, high),
-                   "hook_registered": times["hook_registered"], "hook_timed_s": times["hook_timed_s"]},
+        "direct": {
+            "loader_us": statistics.median(loader_us),
+            "loader_ci95": bootstrap_ci(loader_us),
+            "model_us": statistics.median(model_us),
+            "model_ci95": bootstrap_ci(model_us),
+            "report_per_step_us": report_us,
+            "report_p50_ms": statistics.median(output["report_s"]) * 1e3,
+            "added_us": added,
+            "added_ci95_us": (low, high),
+            "hook_registered": times["hook_registered"],
+            "hook_timed_s": times["hook_timed_s"],
+        },
     }
-    goal = Goal("training-phase steps/s, prepare_model + prepare_data_loader / hand-written DDP",
-                f"median(prepared steps/s) / median(hand-written steps/s), rank 0, {len(ratios)} interleaved rounds of "
-                f"{args.steps} steps in one 2-worker run; judged by the lower end of the round-resampling bootstrap "
-                "95% interval",
-                ratio, GOAL_RATIO, at_most=False, ci95=ratio_ci, rounds=len(ratios))
+    goal = Goal(
+        "training-phase steps/s, prepare_model + prepare_data_loader / hand-written DDP",
+        f"median(prepared steps/s) / median(hand-written steps/s), rank 0, {len(ratios)} interleaved rounds of "
+        f"{args.steps} steps in one 2-worker run; judged by the lower end of the round-resampling bootstrap "
+        "95% interval",
+        ratio,
+        GOAL_RATIO,
+        at_most=False,
+        ci95=ratio_ci,
+        rounds=len(ratios),
+    )
     return summary, [goal]
 
 
-def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespace, info: dict[str, str],
-             command: str) -> str:
+def markdown(
+    summary: dict[str, Any], goals: list[Goal], args: argparse.Namespace, info: dict[str, str], command: str
+) -> str:
     """The tables the script prints."""
     whole, direct_part, step_us = summary["whole_runs"], summary["direct"], summary["step_us"]
 
@@ -323,34 +359,50 @@ def markdown(summary: dict[str, Any], goals: list[Goal], args: argparse.Namespac
         interval = f"{ci[0]:.1f} – {ci[1]:.1f}" if ci else "–"
         return f"| {name} | {value:.1f} | {interval} | {value / step_us * 100:.3f} % |"
 
-    return "\n".join([
-        machine_line(info),
-        f"Command: `{command}`",
-        f"2 workers, gloo. Direct: {args.direct_rounds} alternating rounds (loader: rank 0, blocks of "
-        f"{args.loader_block} batches; model: one process, 1 rank, blocks of {args.model_block} steps), "
-        f"{args.report_calls} report() calls (2 ranks) counted once per {args.steps_per_report} steps. Whole runs: {args.rounds} rounds x {args.steps} steps per set-up.",
-        "",
-        "| added by lockstep, per step | µs | 95% CI (µs) | of the step time |", "|---|---:|---:|---:|",
-        row("prepared loader's iterator (median of paired differences)", direct_part["loader_us"], direct_part["loader_ci95"]),
-        row("prepare_model's DDP with the all-reduce wait counter (median of paired differences)", direct_part["model_us"],
-            direct_part["model_ci95"]),
-        row(f"report() (mean, p50 {direct_part['report_p50_ms']:.3f} ms) / {args.steps_per_report} steps",
-            direct_part["report_per_step_us"], None),
-        row("**total**", direct_part["added_us"], direct_part["added_ci95_us"]),
-        "",
-        f"Step time of the benchmark model (hand-written DDP, 2 workers, median of the whole-run rounds): "
-        f"{step_us:.0f} µs. All-reduce wait counted on the prepared model: {direct_part['hook_registered']} "
-        f"({direct_part['hook_timed_s'] * 1e3:.1f} ms of all-reduce tail estimated in all).",
-        "",
-        "| whole runs, rank 0 | steps/s median |", "|---|---:|",
-        *(f"| {name.replace('_', '-')} | {value:.1f} |" for name, value in whole["medians_steps_per_s"].items()),
-        f"| prepared / hand-written, ratio of the medians (95% CI {whole['ratio_of_medians_ci95'][0]:.3f} – "
-        f"{whole['ratio_of_medians_ci95'][1]:.3f}) | {whole['ratio_of_medians']:.3f} |",
-        f"| prepared / hand-written, median of per-round ratios (95% CI {whole['ci95'][0]:.3f} – {whole['ci95'][1]:.3f}; "
-        f"rounds {whole['min_ratio']:.3f} – {whole['max_ratio']:.3f}) | {whole['median_paired_ratio']:.3f} |",
-        "",
-        goals_markdown(goals),
-    ])
+    return "\n".join(
+        [
+            machine_line(info),
+            f"Command: `{command}`",
+            f"2 workers, gloo. Direct: {args.direct_rounds} alternating rounds (loader: rank 0, blocks of "
+            f"{args.loader_block} batches; model: one process, 1 rank, blocks of {args.model_block} steps), "
+            f"{args.report_calls} report() calls (2 ranks) counted once per {args.steps_per_report} steps. "
+            f"Whole runs: {args.rounds} rounds x {args.steps} steps per set-up.",
+            "",
+            "| added by lockstep, per step | µs | 95% CI (µs) | of the step time |",
+            "|---|---:|---:|---:|",
+            row(
+                "prepared loader's iterator (median of paired differences)",
+                direct_part["loader_us"],
+                direct_part["loader_ci95"],
+            ),
+            row(
+                "prepare_model's DDP with the all-reduce wait counter (median of paired differences)",
+                direct_part["model_us"],
+                direct_part["model_ci95"],
+            ),
+            row(
+                f"report() (mean, p50 {direct_part['report_p50_ms']:.3f} ms) / {args.steps_per_report} steps",
+                direct_part["report_per_step_us"],
+                None,
+            ),
+            row("**total**", direct_part["added_us"], direct_part["added_ci95_us"]),
+            "",
+            f"Step time of the benchmark model (hand-written DDP, 2 workers, median of the whole-run rounds): "
+            f"{step_us:.0f} µs. All-reduce wait counted on the prepared model: {direct_part['hook_registered']} "
+            f"({direct_part['hook_timed_s'] * 1e3:.1f} ms of all-reduce tail estimated in all).",
+            "",
+            "| whole runs, rank 0 | steps/s median |",
+            "|---|---:|",
+            *(f"| {name.replace('_', '-')} | {value:.1f} |" for name, value in whole["medians_steps_per_s"].items()),
+            f"| prepared / hand-written, ratio of the medians (95% CI {whole['ratio_of_medians_ci95'][0]:.3f} – "
+            f"{whole['ratio_of_medians_ci95'][1]:.3f}) | {whole['ratio_of_medians']:.3f} |",
+            f"| prepared / hand-written, median of per-round ratios "
+            f"(95% CI {whole['ci95'][0]:.3f} – {whole['ci95'][1]:.3f}; "
+            f"rounds {whole['min_ratio']:.3f} – {whole['max_ratio']:.3f}) | {whole['median_paired_ratio']:.3f} |",
+            "",
+            goals_markdown(goals),
+        ]
+    )
 
 
 def headline(summary: dict[str, Any], goals: list[Goal]) -> list[dict[str, str]]:
@@ -358,11 +410,15 @@ def headline(summary: dict[str, Any], goals: list[Goal]) -> list[dict[str, str]]
     whole = summary["whole_runs"]
     low, high = whole["ratio_of_medians_ci95"]
     rates = whole["medians_steps_per_s"]
-    return [{"what": "training-phase steps/s, prepare_model + prepare_data_loader (2 workers)",
-             "lockstep": f"{rates['prepared']:.1f} steps/s",
-             "compared_with": f"hand-written DDP {rates['hand_written']:.1f} steps/s",
-             "ratio": f"{whole['ratio_of_medians']:.3f} (95% CI {low:.3f} – {high:.3f}; goal >= 0.99: "
-                      f"{goals[0].verdict})"}]
+    return [
+        {
+            "what": "training-phase steps/s, prepare_model + prepare_data_loader (2 workers)",
+            "lockstep": f"{rates['prepared']:.1f} steps/s",
+            "compared_with": f"hand-written DDP {rates['hand_written']:.1f} steps/s",
+            "ratio": f"{whole['ratio_of_medians']:.3f} (95% CI {low:.3f} – {high:.3f}; goal >= 0.99: "
+            f"{goals[0].verdict})",
+        }
+    ]
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -370,24 +426,46 @@ def headline(summary: dict[str, Any], goals: list[Goal]) -> list[dict[str, str]]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=20, help="whole-run rounds per set-up (default 20, at least 5 to judge)")
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="whole-run rounds per set-up (default 20, at least 5 to judge)"
+    )
     parser.add_argument("--steps", type=int, default=300, help="timed steps per whole-run round (default 300)")
     parser.add_argument("--direct-rounds", type=int, default=400, help="direct rounds (default 400)")
     parser.add_argument("--loader-block", type=int, default=50, help="batches per loader block (default 50)")
     parser.add_argument("--model-block", type=int, default=20, help="steps per model block (default 20)")
     parser.add_argument("--report-calls", type=int, default=500, help="timed report() calls (default 500)")
-    parser.add_argument("--steps-per-report", type=int, default=938,
-                        help="steps between two report() calls (default 938: seed 003, once per epoch)")
-    parser.add_argument("--quick", action="store_true", help="a check that it works, not a measurement: "
-                        "2 x 50 whole-run steps, 20 direct rounds, 50 reports; results marked quick")
-    parser.add_argument("--data-dir", default=None, help="Fashion-MNIST root (default $LOCKSTEP_DATA or ../shared/data)")
+    parser.add_argument(
+        "--steps-per-report",
+        type=int,
+        default=938,
+        help="steps between two report() calls (default 938: seed 003, once per epoch)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check that it works, not a measurement: "
+        "2 x 50 whole-run steps, 20 direct rounds, 50 reports; results marked quick",
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="Fashion-MNIST root (default $LOCKSTEP_DATA or ../shared/data)"
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     add_results_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.direct_rounds, args.report_calls = 2, 50, 20, 50
-    if min(args.rounds, args.steps, args.direct_rounds, args.loader_block, args.model_block, args.report_calls,
-           args.steps_per_report) < 1:
+    if (
+        min(
+            args.rounds,
+            args.steps,
+            args.direct_rounds,
+            args.loader_block,
+            args.model_block,
+            args.report_calls,
+            args.steps_per_report,
+        )
+        < 1
+    ):
         parser.error("every count must be >= 1")
     return args
 
@@ -399,24 +477,35 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     from bench_jobs import default_data_dir
+
     from lockstep import RunConfig, ScalingConfig
     from lockstep.torch import TorchTrainer
 
     info = describe_machine()
     config = {"data_dir": args.data_dir or default_data_dir()} | {
-        key: getattr(args, key) for key in ("rounds", "steps", "direct_rounds", "loader_block", "model_block", "report_calls")}
+        key: getattr(args, key)
+        for key in ("rounds", "steps", "direct_rounds", "loader_block", "model_block", "report_calls")
+    }
     with tempfile.TemporaryDirectory() as storage:
-        result = TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
-                              run_config=RunConfig(storage_path=storage)).fit()
+        result = TorchTrainer(
+            train_func,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(storage_path=storage),
+        ).fit()
     output = result.return_value
     output["direct"].update(direct_model(args))
     summary, goals = summarize(output, args)
     text = markdown(summary, goals, args, info, command)
     print(text)
-    document = {"config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-                "summary": summary, "raw": output}
-    path = write_result(args.results_dir, "step", command, info, args.quick, document, goals, text,
-                        headline(summary, goals))
+    document = {
+        "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "summary": summary,
+        "raw": output,
+    }
+    path = write_result(
+        args.results_dir, "step", command, info, args.quick, document, goals, text, headline(summary, goals)
+    )
     if path is not None:
         print(f"results: {path}", file=sys.stderr)
     if args.json is not None:

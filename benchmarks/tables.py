@@ -31,6 +31,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from record import Goal  # noqa: E402 - benchmarks/ is the script folder
+
 KINDS = {
     "jobs": "bench_jobs.py",
     "timeline": "timeline.py",
@@ -66,10 +67,11 @@ def load_newest(results_dir: Path, include_quick: bool) -> dict[str, tuple[Path,
 def source(path: Path, record: dict[str, Any]) -> str:
     """Where a block's figures come from: file, command, date, commit."""
     git = record["git"]
-    notes = (" (uncommitted changes in the tree)" if git.get("dirty") else "") + (" — a quick run, not a measurement" if record.get("quick") else "")
+    notes = (" (uncommitted changes in the tree)" if git.get("dirty") else "") + (
+        " — a quick run, not a measurement" if record.get("quick") else ""
+    )
     shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-    return (f"Source: `{shown}`, command `{record['command']}`, {record['date_utc']}, "
-            f"commit {git['short']}{notes}.")
+    return f"Source: `{shown}`, command `{record['command']}`, {record['date_utc']}, commit {git['short']}{notes}."
 
 
 def kind_block(kind: str, newest: dict[str, tuple[Path, dict[str, Any]]]) -> str:
@@ -82,8 +84,10 @@ def kind_block(kind: str, newest: dict[str, tuple[Path, dict[str, Any]]]) -> str
 
 def goals_block(newest: dict[str, tuple[Path, dict[str, Any]]]) -> str:
     """Every goal of the newest results, one table."""
-    lines = ["| goal | statistic (fixed before measuring) | figure | 95% CI | result | source |",
-             "|---|---|---:|---:|---|---|"]
+    lines = [
+        "| goal | statistic (fixed before measuring) | figure | 95% CI | result | source |",
+        "|---|---|---:|---:|---|---|",
+    ]
     for kind in KINDS:
         if kind not in newest:
             continue
@@ -92,8 +96,10 @@ def goals_block(newest: dict[str, tuple[Path, dict[str, Any]]]) -> str:
             sign = "<=" if goal["at_most"] else ">="
             unit = f" {goal['unit']}" if goal["unit"] else ""
             ci = f"{goal['ci95'][0]:.3f} – {goal['ci95'][1]:.3f}" if goal.get("ci95") else "–"
-            lines.append(f"| {goal['name']} {sign} {goal['limit']:.3f}{unit} | {goal['statistic']} | "
-                         f"{goal['value']:.3f}{unit} | {ci} | {Goal.from_dict(goal).verdict} | `{path.name}` |")
+            lines.append(
+                f"| {goal['name']} {sign} {goal['limit']:.3f}{unit} | {goal['statistic']} | "
+                f"{goal['value']:.3f}{unit} | {ci} | {Goal.from_dict(goal).verdict} | `{path.name}` |"
+            )
     if len(lines) == 2:
         return "_No results in benchmarks/results/ yet: run `make bench`._"
     return "\n".join(lines)
@@ -120,8 +126,10 @@ def replace_block(text: str, name: str, content: str, where: Path) -> str:
     """``text`` with the block ``name`` holding ``content``; SystemExit when its markers are missing."""
     pattern = re.compile(rf"(<!-- tables:{name} begin -->\n).*?(<!-- tables:{name} end -->)", re.DOTALL)
     if not pattern.search(text):
-        raise SystemExit(f"tables.py: {where} has no '<!-- tables:{name} begin -->' ... '<!-- tables:{name} end -->' "
-                         "markers; add them where the table belongs")
+        raise SystemExit(
+            f"tables.py: {where} has no '<!-- tables:{name} begin -->' ... '<!-- tables:{name} end -->' "
+            "markers; add them where the table belongs"
+        )
     return pattern.sub(lambda match: match.group(1) + content.rstrip("\n") + "\n" + match.group(2), text, count=1)
 
 
@@ -132,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")
     args = parser.parse_args(argv)
     newest = load_newest(args.results_dir, args.include_quick)
-    blocks = {HERE / "README.md": {"goals": goals_block(newest), **{kind: kind_block(kind, newest) for kind in KINDS}},
-              REPO / "docs" / "performance.md": {"performance": performance_block(newest)}}
+    blocks = {
+        HERE / "README.md": {"goals": goals_block(newest), **{kind: kind_block(kind, newest) for kind in KINDS}},
+        REPO / "docs" / "performance.md": {"performance": performance_block(newest)},
+    }
     changed = []
     for path, contents in blocks.items():
         text = path.read_text()
@@ -145,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 path.write_text(updated)
     used = ", ".join(f"{kind}: {path.name}" for kind, (path, _) in newest.items()) or "none"
-    print(f"tables.py: results used: {used}; {'would change' if args.check else 'changed'}: "
-          f"{', '.join(str(path.relative_to(REPO)) for path in changed) or 'nothing'}")
+    print(
+        f"tables.py: results used: {used}; {'would change' if args.check else 'changed'}: "
+        f"{', '.join(str(path.relative_to(REPO)) for path in changed) or 'nothing'}"
+    )
     return 1 if args.check and changed else 0
 
 

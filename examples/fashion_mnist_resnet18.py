@@ -110,7 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Checkpoint: {result.checkpoint.path}")
     print(f"Test accuracy: {100 * accuracy:.2f}%")
     if args.plot:
-        plot_metrics(result.metrics_dataframe, {"loss": "training loss (last batch)"}, args.plot, f"Fashion-MNIST ResNet18, {args.num_workers} workers")
+        plot_metrics(
+            result.metrics_dataframe,
+            {"loss": "training loss (last batch)"},
+            args.plot,
+            f"Fashion-MNIST ResNet18, {args.num_workers} workers",
+        )
         print(f"Plot: {os.path.abspath(args.plot)}")
 
 

@@ -99,8 +99,11 @@ def train_fashion_mnist(args: argparse.Namespace) -> lockstep.Result:
     trainer = TorchTrainer(
         train_func,
         train_loop_config={
-            "lr": args.lr, "batch_size": 128, "epochs": args.epochs,
-            "data_dir": resolve_data_dir(args.data_dir), "limit": 2000 if args.smoke_test else None,
+            "lr": args.lr,
+            "batch_size": 128,
+            "epochs": args.epochs,
+            "data_dir": resolve_data_dir(args.data_dir),
+            "limit": 2000 if args.smoke_test else None,
         },
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
         run_config=RunConfig(

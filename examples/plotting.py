@@ -15,7 +15,7 @@ def plot_metrics(frame: pandas.DataFrame, columns: dict[str, str], path: str, ti
     from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 3.6), squeeze=False)
-    for axis, (column, label) in zip(axes[0], columns.items()):
+    for axis, (column, label) in zip(axes[0], columns.items(), strict=True):
         axis.plot(frame["epoch"] + 1, frame[column], marker="o")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_xlabel("epoch")

@@ -37,14 +37,21 @@ def objective(trial: optuna.Trial, args: argparse.Namespace) -> float:
     config = {
         "lr": trial.suggest_float("lr", 1e-3, 0.3, log=True),
         "momentum": trial.suggest_float("momentum", 0.0, 0.95),
-        "batch_size": 64, "epochs": args.epochs, "data_dir": args.data_dir,
+        "batch_size": 64,
+        "epochs": args.epochs,
+        "data_dir": args.data_dir,
         "limit": 4000 if args.smoke_test else None,
     }
     trainer = TorchTrainer(
-        train_func, train_loop_config=config,
+        train_func,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=args.num_workers),
-        run_config=RunConfig(name=f"{args.study_name}_trial_{trial.number:02d}", storage_path=args.storage_path,
-                             worker_output="none", callbacks=[PruningCallback(trial, "loss")]),
+        run_config=RunConfig(
+            name=f"{args.study_name}_trial_{trial.number:02d}",
+            storage_path=args.storage_path,
+            worker_output="none",
+            callbacks=[PruningCallback(trial, "loss")],
+        ),
     )
     return trainer.fit().metrics["loss"]
 
@@ -52,7 +59,10 @@ def objective(trial: optuna.Trial, args: argparse.Namespace) -> float:
 def make_study(args: argparse.Namespace) -> optuna.Study:
     """The study: in memory, or shared by every driver that names the same RDB storage."""
     return optuna.create_study(
-        study_name=args.study_name, storage=args.study_storage, load_if_exists=True, direction="minimize",
+        study_name=args.study_name,
+        storage=args.study_storage,
+        load_if_exists=True,
+        direction="minimize",
         sampler=optuna.samplers.TPESampler(seed=args.seed, n_startup_trials=4),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
     )
@@ -63,9 +73,11 @@ def trials_table(study: optuna.Study) -> str:
     lines = ["trial  lr        momentum  state     epochs  val loss"]
     for trial in study.trials:
         last = trial.value if trial.value is not None else _last_value(trial)
-        lines.append(f"{trial.number:>5}  {trial.params.get('lr', float('nan')):<8.4f}  "
-                     f"{trial.params.get('momentum', float('nan')):<8.3f}  {trial.state.name.lower():<8}  "
-                     f"{len(trial.intermediate_values):>6}  {last:.4f}")
+        lines.append(
+            f"{trial.number:>5}  {trial.params.get('lr', float('nan')):<8.4f}  "
+            f"{trial.params.get('momentum', float('nan')):<8.3f}  {trial.state.name.lower():<8}  "
+            f"{len(trial.intermediate_values):>6}  {last:.4f}"
+        )
     return "\n".join(lines)
 
 
@@ -91,10 +103,18 @@ def plot_trials(study: optuna.Study, path: str) -> str:
             continue
         pruned, is_best = trial.state.name == "PRUNED", trial.number == best
         epochs, losses = [step + 1 for step in steps], [trial.intermediate_values[step] for step in steps]
-        line, = axis.plot(epochs, losses, linestyle="--" if pruned else "-", marker="o", markersize=4,
-                          linewidth=3 if is_best else 1.4, color="black" if is_best else None, zorder=3 if is_best else 2,
-                          label=f"#{trial.number} lr={trial.params['lr']:.3g} momentum={trial.params['momentum']:.2f}"
-                                + (" (pruned)" if pruned else " (best)" if is_best else ""))
+        (line,) = axis.plot(
+            epochs,
+            losses,
+            linestyle="--" if pruned else "-",
+            marker="o",
+            markersize=4,
+            linewidth=3 if is_best else 1.4,
+            color="black" if is_best else None,
+            zorder=3 if is_best else 2,
+            label=f"#{trial.number} lr={trial.params['lr']:.3g} momentum={trial.params['momentum']:.2f}"
+            + (" (pruned)" if pruned else " (best)" if is_best else ""),
+        )
         if pruned:
             axis.plot(epochs[-1:], losses[-1:], marker="X", markersize=10, color=line.get_color(), linestyle="none")
     axis.set_xlabel("epoch")
@@ -102,7 +122,9 @@ def plot_trials(study: optuna.Study, path: str) -> str:
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.grid(alpha=0.3)
     axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    axis.set_title(f"Fashion-MNIST MLP, {len(study.trials)} Optuna trials (X: pruned by the median pruner)", fontsize=11)
+    axis.set_title(
+        f"Fashion-MNIST MLP, {len(study.trials)} Optuna trials (X: pruned by the median pruner)", fontsize=11
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -118,8 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke-test", action="store_true", help="4,000 images, 5 epochs: about a minute on 2 CPUs")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--study-name", default=None, help="default: sweep_<time>")
-    parser.add_argument("--study-storage", default=None,
-                        help="Optuna RDB storage shared by several drivers, e.g. sqlite:///sweep.db (default: in memory)")
+    parser.add_argument(
+        "--study-storage",
+        default=None,
+        help="Optuna RDB storage shared by several drivers, e.g. sqlite:///sweep.db (default: in memory)",
+    )
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST root (default: $LOCKSTEP_DATA, else ~/data)")
     parser.add_argument("--storage-path", default=None, help="where runs are kept (default ~/lockstep_results)")
     parser.add_argument("--plot", default="sweep_fashion_mnist.png", help="PNG comparing the trials")
@@ -137,9 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     study.optimize(lambda trial: objective(trial, args), n_trials=args.trials, n_jobs=args.jobs)
     print(trials_table(study))
-    print(f"{len(study.trials)} trials in {time.monotonic() - started:.0f} s; "
-          f"best: trial #{study.best_trial.number}, validation loss {study.best_value:.4f}, "
-          f"params {{'lr': {study.best_params['lr']:.4f}, 'momentum': {study.best_params['momentum']:.3f}}}")
+    print(
+        f"{len(study.trials)} trials in {time.monotonic() - started:.0f} s; "
+        f"best: trial #{study.best_trial.number}, validation loss {study.best_value:.4f}, "
+        f"params {{'lr': {study.best_params['lr']:.4f}, 'momentum': {study.best_params['momentum']:.3f}}}"
+    )
     if args.plot:
         print(f"Plot: {os.path.abspath(plot_trials(study, args.plot))}")
 

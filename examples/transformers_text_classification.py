@@ -44,15 +44,23 @@ class SyntheticSentiment(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "attention_mask": torch.ones(SEQUENCE_LENGTH, dtype=torch.long),
-                "labels": self.labels[index]}
+        return {
+            "input_ids": self.input_ids[index],
+            "attention_mask": torch.ones(SEQUENCE_LENGTH, dtype=torch.long),
+            "labels": self.labels[index],
+        }
 
 
 def small_bert(hidden_size: int) -> transformers.BertForSequenceClassification:
     """A randomly initialised BERT classifier (built from a config: no download)."""
     config = transformers.BertConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=2 * hidden_size, max_position_embeddings=SEQUENCE_LENGTH, num_labels=2,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=SEQUENCE_LENGTH,
+        num_labels=2,
     )
     return transformers.BertForSequenceClassification(config)
 
@@ -66,18 +74,30 @@ def compute_metrics(prediction: transformers.EvalPrediction) -> dict[str, float]
 def train_func(config: dict[str, Any]) -> None:
     """Runs on every worker: the Trainer joins lockstep's process group and wraps the model in DDP."""
     args = transformers.TrainingArguments(
-        output_dir=config["output_dir"], max_steps=config["max_steps"], per_device_train_batch_size=16,
-        per_device_eval_batch_size=64, learning_rate=config["lr"], warmup_steps=config["max_steps"] // 10,
-        eval_strategy="steps", eval_steps=config["eval_steps"], save_strategy="steps",
-        save_steps=2 * config["eval_steps"], logging_steps=config["eval_steps"], report_to="none",
-        disable_tqdm=True, seed=0,
+        output_dir=config["output_dir"],
+        max_steps=config["max_steps"],
+        per_device_train_batch_size=16,
+        per_device_eval_batch_size=64,
+        learning_rate=config["lr"],
+        warmup_steps=config["max_steps"] // 10,
+        eval_strategy="steps",
+        eval_steps=config["eval_steps"],
+        save_strategy="steps",
+        save_steps=2 * config["eval_steps"],
+        logging_steps=config["eval_steps"],
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
         # The Trainer would scale the loss by the number of workers for models whose forward takes
         # **kwargs (BERT's does) even though BERT's loss is a plain mean: keep the per-worker mean.
         average_tokens_across_devices=False,
     )
     trainer = transformers.Trainer(
-        model=small_bert(config["hidden_size"]), args=args, compute_metrics=compute_metrics,
-        train_dataset=SyntheticSentiment(config["train_size"], seed=1), eval_dataset=SyntheticSentiment(512, seed=2),
+        model=small_bert(config["hidden_size"]),
+        args=args,
+        compute_metrics=compute_metrics,
+        train_dataset=SyntheticSentiment(config["train_size"], seed=1),
+        eval_dataset=SyntheticSentiment(512, seed=2),
     )
     # report_on="evaluate": metrics at every evaluation, not only at the saves (with checkpoints).
     trainer.add_callback(RayTrainReportCallback(report_on="evaluate"))
@@ -91,15 +111,20 @@ def run(args: argparse.Namespace) -> train.Result:
     trainer = TorchTrainer(
         train_func,
         train_loop_config={
-            "output_dir": os.path.join(args.output_dir, "hf_trainer"), "max_steps": max_steps,
-            "eval_steps": max(1, max_steps // 4), "lr": args.lr, "hidden_size": 32 if args.smoke_test else 64,
+            "output_dir": os.path.join(args.output_dir, "hf_trainer"),
+            "max_steps": max_steps,
+            "eval_steps": max(1, max_steps // 4),
+            "lr": args.lr,
+            "hidden_size": 32 if args.smoke_test else 64,
             "train_size": 2048 if args.smoke_test else 8192,
         },
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
         run_config=RunConfig(
-            name=args.name, storage_path=args.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="eval_accuracy",
-                                               checkpoint_score_order="max"),
+            name=args.name,
+            storage_path=args.storage_path,
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=1, checkpoint_score_attribute="eval_accuracy", checkpoint_score_order="max"
+            ),
         ),
     )
     return trainer.fit()
@@ -126,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     print(history[["step", "loss", "eval_loss", "eval_accuracy", "checkpoint_dir_name"]].to_string(index=False))
     best = result.get_best_checkpoint("eval_accuracy", "max")
     model = transformers.BertForSequenceClassification.from_pretrained(
-        os.path.join(best.path, RayTrainReportCallback.CHECKPOINT_NAME))
+        os.path.join(best.path, RayTrainReportCallback.CHECKPOINT_NAME)
+    )
     print(f"Best checkpoint: {best.path} ({sum(p.numel() for p in model.parameters())} parameters reloaded)")
     print(f"Last result: eval_accuracy={result.metrics['eval_accuracy']:.3f} at step {result.metrics['step']}")
 

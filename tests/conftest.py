@@ -72,9 +72,11 @@ def _skip_reason(longrepr: Any) -> str:
 
 
 def _ci_error(where: str, longrepr: Any) -> str:
-    return (f"CI=true: {where} would be skipped ({_skip_reason(longrepr)}). In CI only tests marked 'gpu' may "
-            "skip: install what the reason names (.ci/run installs the system packages, `make install` the "
-            "Python ones) or fix the cause.")
+    return (
+        f"CI=true: {where} would be skipped ({_skip_reason(longrepr)}). In CI only tests marked 'gpu' may "
+        "skip: install what the reason names (.ci/run installs the system packages, `make install` the "
+        "Python ones) or fix the cause."
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -190,7 +192,7 @@ def stacks_by_rank(message: str) -> dict[int, str]:
     headers = list(_STACK_HEADER.finditer(message))
     stacks: dict[int, str] = {}
     for header, following in zip(headers, [*headers[1:], None], strict=True):
-        stack = message[header.end():following.start() if following else len(message)].rstrip("\n")
+        stack = message[header.end() : following.start() if following else len(message)].rstrip("\n")
         for span in header.group(1).split(", "):
             first, _, last = span.partition("-")
             for rank in range(int(first), int(last or first) + 1):

@@ -23,18 +23,23 @@ GATED_RUN = Path(__file__).parent / "scripts" / "gated_run.py"
 
 def write_long_run(storage_path: str, name: str, reports: int = 10_000, world_size: int = 2) -> RunStorage:
     """A finished run of ``reports`` reports by ``world_size`` ranks (the last one slower to load
-    its data, the others waiting for it in the collectives), with a checkpoint every 1,000 reports (two kept), recorded as the driver records them."""
+    its data, the others waiting for it in the collectives), with a checkpoint every 1,000 reports
+    (two kept), recorded as the driver records them."""
     storage = RunStorage.for_run(storage_path, name)
-    recorder = RunRecorder(storage, CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="loss",
-                                                     checkpoint_score_order="min"), world_size)
+    recorder = RunRecorder(
+        storage,
+        CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min"),
+        world_size,
+    )
     recorder.open({"config": {"train_loop_config": {"lr": 0.05, "steps": reports}}, "metrics_url": None})
     for rank in range(world_size):
         recorder.note_rank(rank, f"trainer-{rank}", 1000 + rank)
     for index in range(reports):
         loss = 2.0 * math.exp(-index / 2500) + 0.05 * math.sin(index / 40)
         metrics = {"step": index, "loss": loss, "accuracy": 1 - loss / 2.5, "lr": 0.05 * 0.999 ** (index // 10)}
-        step_times = {str(rank): {"window": 0.2, "data": 0.02, "collective": 0.11, "report": 0.002}
-                      for rank in range(world_size)}
+        step_times = {
+            str(rank): {"window": 0.2, "data": 0.02, "collective": 0.11, "report": 0.002} for rank in range(world_size)
+        }
         step_times[str(world_size - 1)] = {"window": 0.2, "data": 0.1, "collective": 0.03, "report": 0.002}
         dir_name = f"checkpoint_{index:06d}" if index % 1000 == 999 else None
         if dir_name is not None:
@@ -48,14 +53,19 @@ def write_long_run(storage_path: str, name: str, reports: int = 10_000, world_si
     return storage
 
 
-def start_gated_run(storage_path: str, name: str, gates: Path, workers: int = 1,
-                    env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start_gated_run(
+    storage_path: str, name: str, gates: Path, workers: int = 1, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """A driver running ``name`` whose train function reports once per file ``gates/<n>`` that
     appears (n = 0, 1, ...) and returns when ``gates/finish`` appears (see scripts/gated_run.py)."""
     gates.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, str(GATED_RUN), storage_path, name, str(gates), str(workers)],
-                            env={**os.environ, "LOCKSTEP_WARM_START": "0", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(GATED_RUN), storage_path, name, str(gates), str(workers)],
+        env={**os.environ, "LOCKSTEP_WARM_START": "0", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def open_gate(gates: Path, gate: str) -> None:
@@ -85,12 +95,17 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05): 
         time.sleep(interval_s)
 
 
-def start_dashboard(storage_path: str, *args: str, env: dict[str, str] | None = None,
-                    timeout_s: float = 60) -> tuple[subprocess.Popen[str], str]:
+def start_dashboard(
+    storage_path: str, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60
+) -> tuple[subprocess.Popen[str], str]:
     """``lockstep dashboard --storage STORAGE --port 0 ARGS`` and the URL it printed."""
-    process = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "dashboard", "--storage", storage_path,
-                                "--port", "0", *args], env={**os.environ, **(env or {})},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lockstep.cli", "dashboard", "--storage", storage_path, "--port", "0", *args],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout is not None
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     line = process.stdout.readline() if ready else ""

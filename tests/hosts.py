@@ -29,6 +29,7 @@ and :class:`RayCluster` to run a Ray head on one host and worker nodes on others
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shlex
@@ -85,17 +86,26 @@ class Host:
         """``args`` as a command line that runs them on this host."""
         return ["ip", "netns", "exec", self.name, *args]
 
-    def popen(self, args: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: object) -> subprocess.Popen[bytes]:
+    def popen(
+        self, args: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: object
+    ) -> subprocess.Popen[bytes]:
         """Start ``args`` on this host (killed at teardown if still running)."""
         process = subprocess.Popen(self.command(args), env=dict(env) if env is not None else None, **kwargs)  # type: ignore[call-overload]
         self.processes.append(process)
         return process
 
-    def run(self, args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120,
-            **kwargs: object) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120, **kwargs: object
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``args`` on this host to its end (text output captured)."""
-        return subprocess.run(self.command(args), env=dict(env) if env is not None else None, capture_output=True,
-                              text=True, timeout=timeout, **kwargs)  # type: ignore[call-overload]
+        return subprocess.run(
+            self.command(args),
+            env=dict(env) if env is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )  # type: ignore[call-overload]
 
     def pids(self) -> list[int]:
         """Every process in this host's namespace now."""
@@ -105,20 +115,18 @@ class Host:
     def kill_all(self) -> None:
         """SIGKILL every process in the namespace and reap those this host started."""
         for pid in self.pids():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for process in self.processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=TEARDOWN_WAIT_S)
-            except subprocess.TimeoutExpired:
-                pass
 
     def reachable(self, address: str, port: int, timeout: float = 1.0) -> bool:
         """Whether a TCP connection from this host to ``address:port`` succeeds now."""
-        probe = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), "
-                 f"timeout={timeout}).close()\nexcept OSError:\n sys.exit(1)")
+        probe = (
+            "import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+            f"timeout={timeout}).close()\nexcept OSError:\n sys.exit(1)"
+        )
         return self.run([sys.executable, "-c", probe, address, str(port)], timeout=timeout + 30).returncode == 0
 
 
@@ -137,8 +145,14 @@ class HostNetwork:
         self.prefix = f"ls{os.getpid()}{number}"
         self.subnet = f"{SUBNET_PREFIX}.{number % 250}"
         self.switch = f"{self.prefix}sw"
-        self.hosts = [Host(f"{self.prefix}{chr(ord('a') + index)}", f"{self.subnet}.{index + 1}",
-                           f"{self.prefix}{chr(ord('a') + index)}e") for index in range(count)]
+        self.hosts = [
+            Host(
+                f"{self.prefix}{chr(ord('a') + index)}",
+                f"{self.subnet}.{index + 1}",
+                f"{self.prefix}{chr(ord('a') + index)}e",
+            )
+            for index in range(count)
+        ]
         self._made: list[str] = []
 
     def __enter__(self) -> HostNetwork:
@@ -175,7 +189,7 @@ class HostNetwork:
     def host(self, name: str) -> Host:
         """The host whose namespace is ``name``, or whose letter (``"a"``, ``"b"``) it is."""
         for host in self.hosts:
-            if name in (host.name, host.name[len(self.prefix):]):
+            if name in (host.name, host.name[len(self.prefix) :]):
                 return host
         raise KeyError(name)
 
@@ -241,22 +255,23 @@ def kill_tree(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL ``process`` and every process descended from it (a launcher's workers may sit
     in sessions of their own), and reap ``process``."""
     for pid in [*descendants(process.pid), process.pid]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     process.wait()
 
 
 def free_port(host: Host) -> int:
     """A TCP port that is free on ``host`` (each host has its own ports)."""
-    found = host.run([sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('', 0)); "
-                      "print(s.getsockname()[1])"], timeout=30)
+    found = host.run(
+        [sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"],
+        timeout=30,
+    )
     return int(found.stdout.strip())
 
 
-def wait_listening(host: Host, address: str, port: int, timeout_s: float,
-                   process: subprocess.Popen[bytes] | None = None) -> None:
+def wait_listening(
+    host: Host, address: str, port: int, timeout_s: float, process: subprocess.Popen[bytes] | None = None
+) -> None:
     """Wait until ``address:port`` accepts connections from ``host``.
 
     Raises:
@@ -278,7 +293,8 @@ def wait_listening(host: Host, address: str, port: int, timeout_s: float,
 class RayCluster:
     """A Ray head on ``head`` and one worker node on each of ``workers``, each started with
     ``ray start --block`` inside its host (so the process is ours), its own ``--temp-dir`` and
-    ``cpus`` CPUs (the head ``head_cpus`` when given). Its processes are stopped by :meth:`stop` (or the network's teardown).
+    ``cpus`` CPUs (the head ``head_cpus`` when given). Its processes are stopped by :meth:`stop`
+    (or the network's teardown).
 
     Each folder in ``node_local_dirs`` is, on the worker nodes, an empty folder of their own (a
     tmpfs mounted in a mount namespace of the node's processes), as if it lay on each worker
@@ -290,8 +306,15 @@ class RayCluster:
 
     GCS_PORT = 6379
 
-    def __init__(self, head: Host, workers: Sequence[Host], cpus: int = 1, env: Mapping[str, str] | None = None,
-                 node_local_dirs: Sequence[str] = (), head_cpus: int | None = None) -> None:
+    def __init__(
+        self,
+        head: Host,
+        workers: Sequence[Host],
+        cpus: int = 1,
+        env: Mapping[str, str] | None = None,
+        node_local_dirs: Sequence[str] = (),
+        head_cpus: int | None = None,
+    ) -> None:
         self.head = head
         self.node_local_dirs = list(node_local_dirs)
         self.workers = list(workers)
@@ -299,8 +322,11 @@ class RayCluster:
         self.head_cpus = cpus if head_cpus is None else head_cpus
         # Token auth off: it turns itself on when ~/.ray holds a token, and the test's nodes and
         # drivers would then disagree; the cluster lives on a private test network.
-        self.env = {**(env if env is not None else _untagged_environ()), "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_AUTH_MODE": "disabled"}
+        self.env = {
+            **(env if env is not None else _untagged_environ()),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "disabled",
+        }
         self.address = f"{head.address}:{self.GCS_PORT}"
         self.temp_root = Path(tempfile.mkdtemp(prefix="lsray"))
         self.processes: list[tuple[Host, subprocess.Popen[bytes]]] = []
@@ -311,12 +337,27 @@ class RayCluster:
 
     def _start_node(self, host: Host, head: bool) -> subprocess.Popen[bytes]:
         ray = str(Path(sys.executable).with_name("ray"))
-        role = ["--head", f"--port={self.GCS_PORT}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
-        args = [ray, "start", "--block", *role, f"--node-ip-address={host.address}", f"--num-cpus={self.head_cpus if head else self.cpus}",
-                "--num-gpus=0", f"--temp-dir={self.temp_dir(host)}", "--object-store-memory=100000000",
-                "--disable-usage-stats"]
+        role = (
+            ["--head", f"--port={self.GCS_PORT}", "--include-dashboard=false"]
+            if head
+            else [f"--address={self.address}"]
+        )
+        args = [
+            ray,
+            "start",
+            "--block",
+            *role,
+            f"--node-ip-address={host.address}",
+            f"--num-cpus={self.head_cpus if head else self.cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={self.temp_dir(host)}",
+            "--object-store-memory=100000000",
+            "--disable-usage-stats",
+        ]
         if not head and self.node_local_dirs:
-            mounts = " && ".join(f"mount -t tmpfs lockstep-node-local {shlex.quote(path)}" for path in self.node_local_dirs)
+            mounts = " && ".join(
+                f"mount -t tmpfs lockstep-node-local {shlex.quote(path)}" for path in self.node_local_dirs
+            )
             args = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh", *args]
         log = open(self.temp_root / f"{host.name}.log", "wb")  # noqa: SIM115 - the child holds it
         process = host.popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -340,8 +381,10 @@ class RayCluster:
 
     def logs(self) -> str:
         """The tail of every node's ``ray start`` output (for failure messages)."""
-        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}"
-                         for path in sorted(self.temp_root.glob("*.log")))
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}"
+            for path in sorted(self.temp_root.glob("*.log"))
+        )
 
     def stop(self) -> None:
         """Kill every process on the cluster's hosts (Ray's daemons and workers included)."""

@@ -18,9 +18,9 @@ import pytest
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig
-from lockstep._internal.run import attempt_events, controller
 from lockstep._internal.output import progress
 from lockstep._internal.output.listeners import Listeners, LogLines, listeners_for
+from lockstep._internal.run import attempt_events, controller
 from lockstep.callbacks import AttemptStart, Callback, CSVLogger, JSONLogger, MLflowLogger, RunInfo, TensorBoardLogger
 from lockstep.torch import TorchTrainer
 
@@ -61,9 +61,14 @@ def three_reports_one_failure() -> None:
 
 def fit_with(callbacks: list[Callback], storage_path: str, name: str = "cb", max_failures: int = 1) -> lockstep.Result:
     return TorchTrainer(
-        three_reports_one_failure, scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=name, storage_path=storage_path, callbacks=callbacks,
-                             failure_config=FailureConfig(max_failures=max_failures)),
+        three_reports_one_failure,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            callbacks=callbacks,
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
     ).fit()
 
 
@@ -71,8 +76,13 @@ def test_hooks_are_called_in_order_through_a_restart(storage_path: str) -> None:
     recorder = Recorder()
     fit_with([recorder], storage_path)
     assert recorder.calls == [
-        ("start", "cb", 2), ("report", 0, 1.0), ("report", 1, 0.5), ("checkpoint", 1, "checkpoint_000001"),
-        ("failure", True, True), ("report", 2, 1 / 3), ("end", "finished", True),
+        ("start", "cb", 2),
+        ("report", 0, 1.0),
+        ("report", 1, 0.5),
+        ("checkpoint", 1, "checkpoint_000001"),
+        ("failure", True, True),
+        ("report", 2, 1 / 3),
+        ("end", "finished", True),
     ]
 
 
@@ -81,7 +91,9 @@ class Broken(Callback):
         raise ValueError("a broken logger")
 
 
-def test_a_failing_callback_is_switched_off_and_training_goes_on(storage_path: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_callback_is_switched_off_and_training_goes_on(
+    storage_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
     recorder = Recorder()
     with caplog.at_level(logging.ERROR, logger="lockstep"):
         result = fit_with([Broken(), recorder], storage_path)
@@ -109,7 +121,11 @@ def test_tensorboard_logger_scalars_read_back(storage_path: str) -> None:
     events = EventAccumulator(str(Path(storage_path, "cb", "logs", "tensorboard")))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["loss", "step"]
-    assert [(event.step, round(event.value, 4)) for event in events.Scalars("loss")] == [(0, 1.0), (1, 0.5), (2, 0.3333)]
+    assert [(event.step, round(event.value, 4)) for event in events.Scalars("loss")] == [
+        (0, 1.0),
+        (1, 0.5),
+        (2, 0.3333),
+    ]
 
 
 def test_mlflow_logger_run_reads_back(storage_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,7 +165,9 @@ def test_the_dispatcher_has_one_method_per_callback_hook() -> None:
 
 def test_every_hook_the_controller_calls_is_a_callback_hook() -> None:
     called = {
-        node.attr for module in (controller, attempt_events) for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
+        node.attr
+        for module in (controller, attempt_events)
+        for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "listeners"
     }
     assert len(called) >= 7 and called <= set(HOOKS), f"not hooks of Callback: {called - set(HOOKS)}"
@@ -207,9 +225,15 @@ def test_log_lines_tell_each_report_checkpoint_failure_and_restart(caplog: pytes
     ]
 
 
-@pytest.mark.parametrize(("terminal", "verbose", "level"), [(True, None, "DEBUG"), (False, None, "INFO"), (True, 0, "INFO")])
+@pytest.mark.parametrize(
+    ("terminal", "verbose", "level"), [(True, None, "DEBUG"), (False, None, "INFO"), (True, 0, "INFO")]
+)
 def test_report_lines_go_to_debug_where_a_live_progress_line_shows_each_report(
-    terminal: bool, verbose: int | None, level: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    terminal: bool,
+    verbose: int | None,
+    level: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(progress, "_is_terminal", lambda stream: terminal)
     listeners = listeners_for(RunConfig(verbose=verbose, callbacks=[Recorder()]), RUN)
@@ -233,6 +257,7 @@ def test_the_progress_line_follows_the_hooks() -> None:
     listeners.on_run_end("failed", None)
     assert stream.getvalue().splitlines() == [  # not a terminal: a plain line on the first report, and at the end
         "lockstep unit | report 0 | 0:00:00 | 2/2 workers | loss=1 note=text",
-        "lockstep unit | report 0 | 0:00:00 | 0/2 workers | 1 restart(s) | ckpt checkpoint_000000 | loss=1 note=text | failed",
+        "lockstep unit | report 0 | 0:00:00 | 0/2 workers | 1 restart(s) | ckpt checkpoint_000000 "
+        "| loss=1 note=text | failed",
     ]
     assert progress._active is None, "an ended run's line is no longer drawn around workers' output"

@@ -5,6 +5,7 @@ under torchrun here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_scripts import SCRIPTS, torchrun
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig, TrainingFailedError
-from lockstep._internal.wire import channel, protocol
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.shared_secret import SECRET_FOLDER, read_secret, write_secret
 from lockstep._internal.persist.storage import RunStorage
+from lockstep._internal.wire import channel, protocol
 from lockstep.collective import broadcast_from_rank_zero
 from lockstep.torch import TorchTrainer
-from test_scripts import SCRIPTS, torchrun
 
 ROGUE = str(SCRIPTS / "rogue_peer.py")
 
@@ -70,8 +71,9 @@ def connect_in_thread(connections: WorkerConnections, rank: int, env: dict[str, 
     events = pump(connections, 30, until=lambda _: not thread.is_alive())
     thread.join(30)
     if isinstance(outcome["channel"], channel.WorkerChannel):  # its proof may still be on the way
-        events += pump(connections, 30,
-                       until=lambda more: any(isinstance(event, protocol.Hello) for event in events + more))
+        events += pump(
+            connections, 30, until=lambda more: any(isinstance(event, protocol.Hello) for event in events + more)
+        )
     return outcome["channel"], events
 
 
@@ -94,7 +96,8 @@ def test_a_rank_connects_with_its_own_credential_once(connections: WorkerConnect
 
 
 def test_a_rank_outside_the_group_or_another_ranks_credential_is_refused(
-    connections: WorkerConnections, caplog: pytest.LogCaptureFixture,
+    connections: WorkerConnections,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING):
         outside, events = connect_in_thread(connections, 7, connections.worker_env(1))
@@ -113,13 +116,16 @@ def test_every_rank_gets_a_different_credential_and_none_is_the_secret(connectio
     assert len(credentials) == 2 and connections.listener.secret.hex() not in credentials
 
 
-@pytest.mark.parametrize("message", [
-    protocol.Finished(0, b"pickle"),
-    protocol.Collective(0, 0, "broadcast", b"pickle"),
-    protocol.Failed(lockstep.errors.WorkerFailure(0, "ValueError", "not mine")),
-    protocol.ReportDone(0),
-    protocol.Hello(1, 1),
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        protocol.Finished(0, b"pickle"),
+        protocol.Collective(0, 0, "broadcast", b"pickle"),
+        protocol.Failed(lockstep.errors.WorkerFailure(0, "ValueError", "not mine")),
+        protocol.ReportDone(0),
+        protocol.Hello(1, 1),
+    ],
+)
 def test_a_message_claiming_another_rank_closes_the_channel(connections: WorkerConnections, message: Any) -> None:
     worker, _ = connect_in_thread(connections, 1, connections.worker_env(1))
     worker.send(protocol.Report(1, 0, None))
@@ -136,10 +142,8 @@ def test_a_garbage_hello_is_refused_without_a_challenge(connections: WorkerConne
     with socket.create_connection(connections.listener.address, timeout=30) as raw:
         raw.sendall(b"\x00\x00\x00\x0f\x80\x04pickled-stuff")
         assert pump(connections, 1.0) == []
-        try:
+        with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread: refused too
             assert raw.recv(1024) == b"", "the driver answered a garbage Hello"
-        except ConnectionResetError:
-            pass  # closed with our bytes unread: refused too
 
 
 # -- a rogue peer during a real run --------------------------------------------------------------
@@ -149,7 +153,9 @@ def rogue_peer_train_func(config: dict[str, Any]) -> str:
     """Rank 1 starts the rogue peer with its own environment; then every rank reports and rank
     0 broadcasts, as in a healthy run."""
     if lockstep.get_context().get_world_rank() == 1:
-        subprocess.run([sys.executable, config["rogue"], "env", config["out"], config["marker"]], check=True, timeout=90)
+        subprocess.run(
+            [sys.executable, config["rogue"], "env", config["out"], config["marker"]], check=True, timeout=90
+        )
     lockstep.report({"reported": 1})
     shared = broadcast_from_rank_zero({"from": "rank 0"})
     lockstep.report({"broadcast": shared["from"]})
@@ -162,19 +168,28 @@ def rogue_config(tmp_path: Path) -> dict[str, str]:
 
 def assert_rogue_refused(outcome_file: str, marker: str) -> None:
     outcomes = json.loads(Path(outcome_file).read_text())
-    assert outcomes == {"fake rank 7": "refused", "rank 1 again": "refused",
-                        "rank 0 with another rank's credential": "refused"}
+    assert outcomes == {
+        "fake rank 7": "refused",
+        "rank 1 again": "refused",
+        "rank 0 with another rank's credential": "refused",
+    }
     assert not os.path.exists(marker), "a rogue peer's pickle was loaded"
 
 
 @pytest.mark.timeout(120)
 def test_a_rogue_peer_with_a_ranks_credential_runs_nothing_on_the_local_executor(
-    tmp_path: Path, storage_path: str, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    storage_path: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = rogue_config(tmp_path)
     with caplog.at_level(logging.WARNING):
-        result = TorchTrainer(rogue_peer_train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
-                              run_config=RunConfig(storage_path=storage_path, verbose=0)).fit()
+        result = TorchTrainer(
+            rogue_peer_train_func,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(storage_path=storage_path, verbose=0),
+        ).fit()
     assert_rogue_refused(config["out"], config["marker"])
     assert result.return_value == "rank 0's own value" and result.metrics["broadcast"] == "rank 0"
     assert "claims rank 7, but this group has ranks 0-1" in caplog.text
@@ -195,10 +210,17 @@ def rank_1_claims_rank_0_train_func(config: dict[str, Any]) -> None:
 @pytest.mark.timeout(120)
 def test_a_rank_that_speaks_as_rank_0_fails_the_run_and_nothing_is_unpickled(tmp_path: Path, storage_path: str) -> None:
     marker = str(tmp_path / "MARKER")
-    trainer = TorchTrainer(rank_1_claims_rank_0_train_func, train_loop_config={"marker": marker},
-                           scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage_path, verbose=0))
-    with pytest.raises(TrainingFailedError, match=r"(?s)rank 1: ChannelViolation: rank 1 sent a Collective that claims "
-                                                   r"to come from rank 0"):
+    trainer = TorchTrainer(
+        rank_1_claims_rank_0_train_func,
+        train_loop_config={"marker": marker},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, verbose=0),
+    )
+    with pytest.raises(
+        TrainingFailedError,
+        match=r"(?s)rank 1: ChannelViolation: rank 1 sent a Collective that claims "
+        r"to come from rank 0",
+    ):
         trainer.fit()
     assert not os.path.exists(marker), "a pickle sent as another rank was loaded"
 
@@ -210,15 +232,20 @@ def test_a_rank_that_speaks_as_rank_0_fails_the_run_and_nothing_is_unpickled(tmp
 def test_under_torchrun_a_reader_of_the_store_cannot_connect_and_no_rogue_runs_code(tmp_path: Path) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    completed = torchrun("--max-restarts=0", str(SCRIPTS / "rogue_torchrun_job.py"), str(tmp_path / "results"),
-                         str(out_dir), timeout=150)
+    completed = torchrun(
+        "--max-restarts=0", str(SCRIPTS / "rogue_torchrun_job.py"), str(tmp_path / "results"), str(out_dir), timeout=150
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     store = json.loads((out_dir / "store.json").read_text())
     assert store["entry keys"] == ["address", "secret_file"], "the store holds more than where to connect"
     assert all(outcome == "refused" for name, outcome in store.items() if name != "entry keys"), store
     assert_rogue_refused(str(out_dir / "env.json"), str(out_dir / "MARKER"))
-    results = [json.loads(line.split(" RESULT ", 1)[1]) for line in completed.stdout.splitlines() if line.startswith("RANK ")]
-    assert len(results) == 2 and all(result["error"] is None and result["metrics"]["broadcast"] == "rank 0" for result in results)
+    results = [
+        json.loads(line.split(" RESULT ", 1)[1]) for line in completed.stdout.splitlines() if line.startswith("RANK ")
+    ]
+    assert len(results) == 2 and all(
+        result["error"] is None and result["metrics"]["broadcast"] == "rank 0" for result in results
+    )
     assert not list((tmp_path / "results" / "rogue" / SECRET_FOLDER).iterdir()), "rank 0 left the secret file behind"
 
 
@@ -231,4 +258,3 @@ def test_the_secret_file_is_private_and_its_name_is_checked(tmp_path: Path) -> N
         read_secret(storage, "../../etc/passwd")
     with pytest.raises(FileNotFoundError, match="every rank must see the same"):
         read_secret(storage, "channel-" + "0" * 32 + ".key")
-

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lockstep import Checkpoint, CheckpointConfig, Result
+from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
 from lockstep._internal.run.checkpoints import best_checkpoints, checkpoints_to_delete
 from lockstep._internal.run.run_record import RunRecorder
-from lockstep._internal.persist.storage import CheckpointEntry, RunStorage
 
 
 def test_from_directory_refuses_missing_path_and_files(tmp_path: Path) -> None:
@@ -75,8 +75,10 @@ def test_best_checkpoints_break_ties_by_report_order_and_rank_a_missing_score_la
     entries = [_entry(0, acc=5), _entry(1), _entry(2, acc=5), _entry(3, acc=float("nan"))]
     config = CheckpointConfig(num_to_keep=3, checkpoint_score_attribute="acc")
     assert [entry.report_index for entry in best_checkpoints(entries, config)] == [3, 0, 2]
-    assert [entry.report_index for entry in best_checkpoints(entries, CheckpointConfig(
-        num_to_keep=2, checkpoint_score_attribute="acc"))] == [0, 2]
+    assert [
+        entry.report_index
+        for entry in best_checkpoints(entries, CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="acc"))
+    ] == [0, 2]
 
 
 def test_the_latest_checkpoint_is_kept_but_not_listed_among_the_best(tmp_path: Path) -> None:
@@ -94,7 +96,9 @@ def test_the_latest_checkpoint_is_kept_but_not_listed_among_the_best(tmp_path: P
     for result in (recorder.result(), Result.from_path(tmp_path / "run")):
         assert [metrics["score"] for _, metrics in result.best_checkpoints] == [7, 9]
         assert [Path(checkpoint.path).name for checkpoint, _ in result.best_checkpoints] == [
-            "checkpoint_000003", "checkpoint_000001"]
+            "checkpoint_000003",
+            "checkpoint_000001",
+        ]
         assert result.checkpoint is not None and Path(result.checkpoint.path).name == "checkpoint_000005"
         assert result.get_best_checkpoint("score", "max") == result.best_checkpoints[-1][0]
         assert result.get_best_checkpoint("score", "min") == result.best_checkpoints[0][0]
@@ -192,8 +196,13 @@ def test_from_path_on_a_folder_without_a_run(tmp_path: Path) -> None:
 
 def test_best_checkpoint_selection(tmp_path: Path) -> None:
     low, high = Checkpoint(tmp_path / "a"), Checkpoint(tmp_path / "b")
-    result = Result(metrics=None, checkpoint=high, error=None, path=str(tmp_path),
-                    best_checkpoints=[(low, {"acc": 0.1}), (high, {"acc": 0.9})])
+    result = Result(
+        metrics=None,
+        checkpoint=high,
+        error=None,
+        path=str(tmp_path),
+        best_checkpoints=[(low, {"acc": 0.1}), (high, {"acc": 0.9})],
+    )
     assert result.get_best_checkpoint("acc", "max") == high
     assert result.get_best_checkpoint("acc", "min") == low
     with pytest.raises(ValueError, match="loss"):
@@ -206,8 +215,9 @@ def test_metrics_are_checked_and_converted() -> None:
 
     from lockstep._internal.rank.metrics_json import encode_metrics
 
-    assert json.loads(encode_metrics({"loss": torch.tensor(0.5), "acc": numpy.float32(0.25), "nested": {"a": [1]}})) == {
-        "loss": 0.5, "acc": 0.25, "nested": {"a": [1]}}
+    assert json.loads(
+        encode_metrics({"loss": torch.tensor(0.5), "acc": numpy.float32(0.25), "nested": {"a": [1]}})
+    ) == {"loss": 0.5, "acc": 0.25, "nested": {"a": [1]}}
     with pytest.raises(TypeError, match="takes a dict of metrics, got list"):
         encode_metrics([1, 2])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"metric names must be strings, got the key 3"):

@@ -41,9 +41,12 @@ def write_checkpoints(config: dict) -> None:
 
 
 def fit(storage_path: str, name: str, **config: object) -> Result:
-    return TorchTrainer(write_checkpoints, train_loop_config={"steps": 2, **config},
-                        scaling_config=ScalingConfig(num_workers=2),
-                        run_config=RunConfig(name=name, storage_path=storage_path)).fit()
+    return TorchTrainer(
+        write_checkpoints,
+        train_loop_config={"steps": 2, **config},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=name, storage_path=storage_path),
+    ).fit()
 
 
 def verify(run: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
@@ -62,7 +65,9 @@ def test_local_checkpoints_are_verified_and_damage_is_named(
     assert sorted(manifest["files"]) == ["step.txt", "sub/rank0.bin", "sub/rank1.bin"]
     rank1 = (run / "checkpoint_000002" / "sub" / "rank1.bin").read_bytes()
     assert manifest["algorithm"] == "xxh3_64"
-    assert manifest["files"]["sub/rank1.bin"] == [{"size": 3000, "xxh3_64": xxhash.xxh3_64_intdigest(rank1), "ranks": [1]}]
+    assert manifest["files"]["sub/rank1.bin"] == [
+        {"size": 3000, "xxh3_64": xxhash.xxh3_64_intdigest(rank1), "ranks": [1]}
+    ]
     # both ranks wrote step.txt with the same bytes: one version, written by both
     assert [version["ranks"] for version in manifest["files"]["step.txt"]] == [[0, 1]]
     assert sorted(os.listdir(result.checkpoint.path)) == ["step.txt", "sub"], "the manifest is not in the folder"
@@ -72,17 +77,22 @@ def test_local_checkpoints_are_verified_and_damage_is_named(
     assert [line.split()[:2] for line in lines] == [[f"checkpoint_00000{i}", "whole"] for i in range(3)]
 
     latest = Path(result.checkpoint.path)
-    (latest / "sub" / "rank1.bin").write_bytes(b"short")                       # truncated
+    (latest / "sub" / "rank1.bin").write_bytes(b"short")  # truncated
     older = Path(run, "checkpoint_000001")
     data = bytearray((older / "sub" / "rank0.bin").read_bytes())
     data[100] ^= 0xFF
-    (older / "sub" / "rank0.bin").write_bytes(bytes(data))                     # same size, one byte flipped
-    (Path(run, "checkpoint_000000") / "step.txt").unlink()                     # lost
+    (older / "sub" / "rank0.bin").write_bytes(bytes(data))  # same size, one byte flipped
+    (Path(run, "checkpoint_000000") / "step.txt").unlink()  # lost
 
-    with pytest.raises(CheckpointCorruptedError, match=r"sub/rank1.bin: 5 bytes, 3000 when committed "
-                                                       r"\(written by rank 1\).*lockstep verify RUN") as damaged:
-        with result.checkpoint.as_directory():
-            pass
+    with (
+        pytest.raises(
+            CheckpointCorruptedError,
+            match=r"sub/rank1.bin: 5 bytes, 3000 when committed "
+            r"\(written by rank 1\).*lockstep verify RUN",
+        ) as damaged,
+        result.checkpoint.as_directory(),
+    ):
+        pass
     assert damaged.value.problems == ["sub/rank1.bin: 5 bytes, 3000 when committed (written by rank 1)"]
     assert pickle.loads(pickle.dumps(damaged.value)).problems == damaged.value.problems
     with pytest.raises(CheckpointCorruptedError, match=r"sub/rank0.bin: checksum differs"):
@@ -118,15 +128,19 @@ def test_s3_checkpoints_are_verified(s3_env: dict[str, str], capsys: pytest.Capt
 def register_in_place(config: dict) -> None:
     Path(config["folder"]).mkdir(exist_ok=True)
     Path(config["folder"], "model.txt").write_text("weights")
-    lockstep.report({"step": 0}, checkpoint=Checkpoint.from_directory(config["folder"]),
-                    checkpoint_upload_mode="NO_UPLOAD")
+    lockstep.report(
+        {"step": 0}, checkpoint=Checkpoint.from_directory(config["folder"]), checkpoint_upload_mode="NO_UPLOAD"
+    )
 
 
 def test_checkpoint_without_manifest_loads_with_one_warning(
     storage_path: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = TorchTrainer(register_in_place, train_loop_config={"folder": str(tmp_path / "mine")},
-                          run_config=RunConfig(name="inplace", storage_path=storage_path)).fit()
+    result = TorchTrainer(
+        register_in_place,
+        train_loop_config={"folder": str(tmp_path / "mine")},
+        run_config=RunConfig(name="inplace", storage_path=storage_path),
+    ).fit()
     with caplog.at_level(logging.WARNING, logger="lockstep"):
         for _ in range(3):
             with result.checkpoint.as_directory() as folder:
@@ -137,7 +151,10 @@ def test_checkpoint_without_manifest_loads_with_one_warning(
     assert code == 0 and "unverified" in lines[0]
     # a user's own folder, not from a run, loads silently
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lockstep"), Checkpoint.from_directory(tmp_path / "mine").as_directory():
+    with (
+        caplog.at_level(logging.WARNING, logger="lockstep"),
+        Checkpoint.from_directory(tmp_path / "mine").as_directory(),
+    ):
         pass
     assert not caplog.records
 
@@ -148,7 +165,8 @@ def test_files_written_differently_by_two_ranks_match_either_version() -> None:
     assert problem_of("model.pt", files["model.pt"], (10, 7)) is None
     assert problem_of("model.pt", files["model.pt"], (10, 8)) == (
         "model.pt: checksum differs (xxh3_64 0000000000000008, 0000000000000009 when committed) "
-        "(written by rank 0, 1, 2)")
+        "(written by rank 0, 1, 2)"
+    )
     assert problem_of("b", files["b"], None) == "b: missing (written by rank 1)"
 
 
@@ -177,9 +195,7 @@ def test_checksums_of_files_and_streams_are_the_libraries_own(tmp_path: Path) ->
         checksum_of_file(str(tmp_path / "f"), "md4")
 
 
-def test_a_manifest_written_with_crc32_is_still_checked(
-    storage_path: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_manifest_written_with_crc32_is_still_checked(storage_path: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Manifests written before XXH3 (``"algorithm": "crc32"``) keep verifying, and damage shows."""
     import zlib
 

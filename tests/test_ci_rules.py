@@ -13,10 +13,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
-SMALL_SUITE = '''
+SMALL_SUITE = """
 import pytest
 
 def test_runs():
@@ -29,16 +28,16 @@ def test_on_a_gpu():
 
 def test_needs_a_tool():
     pytest.skip("the tool is not installed")
-'''
+"""
 
-MISSING_PACKAGE = '''
+MISSING_PACKAGE = """
 import pytest
 
 pytest.importorskip("lockstep_no_such_package")
 
 def test_never_collected():
     pass
-'''
+"""
 
 
 def run_small_suite(tmp_path: Path, ci: bool) -> subprocess.CompletedProcess[str]:
@@ -46,9 +45,28 @@ def run_small_suite(tmp_path: Path, ci: bool) -> subprocess.CompletedProcess[str
     (tmp_path / "test_missing.py").write_text(MISSING_PACKAGE)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "tests"), "CI": "true" if ci else "false"}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "conftest", "-c", os.devnull, "--rootdir", str(tmp_path),
-         "-p", "no:cacheprovider", "-o", "markers=gpu", "--continue-on-collection-errors", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "conftest",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "markers=gpu",
+            "--continue-on-collection-errors",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
     )
 
 
@@ -59,7 +77,10 @@ def test_under_ci_only_gpu_tests_may_skip(tmp_path: Path) -> None:
     assert completed.returncode == 1, completed.stdout
     assert re.search(r"1 failed, 1 passed, 1 error, 1 skipped \(no GPU\) in ", closing), closing
     assert "test_needs_a_tool would be skipped (the tool is not installed)" in completed.stdout
-    assert "every test of test_missing.py would be skipped (could not import 'lockstep_no_such_package'" in completed.stdout
+    assert (
+        "every test of test_missing.py would be skipped (could not import 'lockstep_no_such_package'"
+        in completed.stdout
+    )
 
 
 @pytest.mark.timeout(150)

@@ -13,7 +13,6 @@ from lockstep import RunConfig, TrainingFailedError, cli
 from lockstep.torch import TorchTrainer
 
 
-
 def three_reports() -> None:
     for step in range(3):
         lockstep.report({"step": step, "loss": 1.0 / (step + 1), "note": "text"})
@@ -70,9 +69,9 @@ def test_plot_draws_the_chosen_metrics(local_runs: str, tmp_path: Path) -> None:
     assert refused.returncode == 2 and "it has: step, loss" in refused.stderr
 
 
-def test_plot_without_matplotlib_says_what_to_install(local_runs: str, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_without_matplotlib_says_what_to_install(
+    local_runs: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError

@@ -56,11 +56,14 @@ def test_run_config_defaults_and_paths() -> None:
     assert config.checkpoint_config.num_to_keep is None
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"num_to_keep": 0}, "num_to_keep"),
-    ({"num_to_keep": -2}, "num_to_keep"),
-    ({"checkpoint_score_order": "best"}, "checkpoint_score_order"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_to_keep": 0}, "num_to_keep"),
+        ({"num_to_keep": -2}, "num_to_keep"),
+        ({"checkpoint_score_order": "best"}, "checkpoint_score_order"),
+    ],
+)
 def test_checkpoint_config_validation(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         CheckpointConfig(**kwargs)
@@ -96,9 +99,8 @@ def test_torch_config_per_device_backends() -> None:
 
 
 def test_legacy_import_paths() -> None:
-    from lockstep.config import ScalingConfig as LegacyScalingConfig
-
     import lockstep as train
+    from lockstep.config import ScalingConfig as LegacyScalingConfig
 
     assert LegacyScalingConfig is ScalingConfig
     assert train.torch.TorchTrainer.__name__ == "TorchTrainer"

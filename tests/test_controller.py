@@ -13,17 +13,16 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from lockstep._internal.wire import protocol
+from lockstep._internal.output.listeners import Listeners
+from lockstep._internal.persist.storage import RunStorage
 from lockstep._internal.run.checkpoint_commits import CheckpointCommits
 from lockstep._internal.run.controller import Controller
-from lockstep._internal.run.worker_group import GroupFactory
-from lockstep._internal.run.worker_group import WorkerExited, WorkerGroup
 from lockstep._internal.run.failures import AttemptOutcome, FailureKind
-from lockstep._internal.output.listeners import Listeners
 from lockstep._internal.run.liveness import Liveness, RestartPolicy
 from lockstep._internal.run.report_barrier import ReportBarrier
 from lockstep._internal.run.run_record import RunRecorder
-from lockstep._internal.persist.storage import RunStorage
+from lockstep._internal.run.worker_group import GroupFactory, WorkerExited, WorkerGroup
+from lockstep._internal.wire import protocol
 from lockstep.callbacks import AttemptStart, Callback, RunInfo
 from lockstep.checkpoint import Checkpoint
 from lockstep.config import CheckpointConfig
@@ -67,9 +66,12 @@ class ScriptedGroup(WorkerGroup):
         self.stopped = True
 
 
-def report(rank: int, index: int, checkpoint: str | None = None, state: str = "written", **metrics: Any) -> protocol.Report:
-    return protocol.Report(rank, index, json.dumps(metrics) if rank == 0 else None, checkpoint,
-                           state if checkpoint else None)
+def report(
+    rank: int, index: int, checkpoint: str | None = None, state: str = "written", **metrics: Any
+) -> protocol.Report:
+    return protocol.Report(
+        rank, index, json.dumps(metrics) if rank == 0 else None, checkpoint, state if checkpoint else None
+    )
 
 
 def reports(index: int, checkpoint: str | None = None, state: str = "written", **metrics: Any) -> list[Any]:
@@ -94,10 +96,16 @@ def checkpoint_folders(tmp_path: Path, *indexes: int) -> None:
         Path(tmp_path, "run", f"checkpoint_{index:06d}").mkdir(parents=True)
 
 
-def controller_for(tmp_path: Path, groups: list[ScriptedGroup], max_failures: int = 0,
-                   capacity: list[int] | None = None, sizes: tuple[int, int] = (2, 2),
-                   report_timeout_s: float | None = None, callbacks: list[Callback] | None = None,
-                   has_resume_checkpoint: bool = False) -> tuple[Controller, list[int]]:
+def controller_for(
+    tmp_path: Path,
+    groups: list[ScriptedGroup],
+    max_failures: int = 0,
+    capacity: list[int] | None = None,
+    sizes: tuple[int, int] = (2, 2),
+    report_timeout_s: float | None = None,
+    callbacks: list[Callback] | None = None,
+    has_resume_checkpoint: bool = False,
+) -> tuple[Controller, list[int]]:
     storage = RunStorage.for_run(str(tmp_path), "run")
     recorder = RunRecorder(storage, CheckpointConfig(), sizes[1])
     recorder.open()
@@ -108,7 +116,9 @@ def controller_for(tmp_path: Path, groups: list[ScriptedGroup], max_failures: in
         return groups[len(started_sizes) - 1]
 
     capacities = list(capacity or [])
-    factory = GroupFactory("scripted", start_group, sizes[0], sizes[1], (lambda: capacities.pop(0)) if capacity else None)
+    factory = GroupFactory(
+        "scripted", start_group, sizes[0], sizes[1], (lambda: capacities.pop(0)) if capacity else None
+    )
     listeners = Listeners(RunInfo("run", str(tmp_path / "run"), sizes[1], str(tmp_path)), callbacks or [])
     controller = Controller(factory, recorder, max_failures, has_resume_checkpoint, report_timeout_s, listeners)
     return controller, started_sizes
@@ -122,14 +132,22 @@ def test_report_is_answered_only_when_every_rank_made_it(tmp_path: Path) -> None
     controller, _ = controller_for(tmp_path, [group])
     result = controller.run()
     assert [(rank, type(message).__name__) for rank, message in group.sent] == [
-        (0, "Start"), (1, "Start"), (0, "ReportDone"), (1, "ReportDone"),
+        (0, "Start"),
+        (1, "Start"),
+        (0, "ReportDone"),
+        (1, "ReportDone"),
     ]
     assert result.metrics == {"loss": 1.0} and group.stopped
 
 
 def test_rank_0s_return_value_is_the_results(tmp_path: Path) -> None:
-    group = ScriptedGroup([hello(0, 1), reports(0, loss=1.0),
-                           [protocol.Finished(0, cloudpickle.dumps({"best": 3})), WorkerExited(0, 0), *ended(1)]])
+    group = ScriptedGroup(
+        [
+            hello(0, 1),
+            reports(0, loss=1.0),
+            [protocol.Finished(0, cloudpickle.dumps({"best": 3})), WorkerExited(0, 0), *ended(1)],
+        ]
+    )
     controller, _ = controller_for(tmp_path, [group])
     assert controller.run().return_value == {"best": 3}
 
@@ -137,7 +155,9 @@ def test_rank_0s_return_value_is_the_results(tmp_path: Path) -> None:
 def test_a_rank_that_returns_while_others_wait_fails_the_run_at_once(tmp_path: Path) -> None:
     group = ScriptedGroup([hello(0, 1), [report(0, 0, loss=1.0), protocol.Finished(1, None)]])
     controller, _ = controller_for(tmp_path, [group])
-    with pytest.raises(TrainingFailedError, match=r"rank 1: ReportMismatch: returned from the train function after 0 report"):
+    with pytest.raises(
+        TrainingFailedError, match=r"rank 1: ReportMismatch: returned from the train function after 0 report"
+    ):
         controller.run()
 
 
@@ -164,7 +184,9 @@ def test_the_group_is_waited_on_until_the_report_deadline_only_while_a_report_wa
 def test_ranks_naming_different_checkpoint_folders_fail_the_run(tmp_path: Path) -> None:
     group = ScriptedGroup([hello(0, 1), [report(0, 0, "checkpoint_a", loss=1.0), report(1, 0, "checkpoint_b")]])
     controller, _ = controller_for(tmp_path, [group])
-    with pytest.raises(TrainingFailedError, match=r"different checkpoint_dir_name values \['checkpoint_a', 'checkpoint_b'\]"):
+    with pytest.raises(
+        TrainingFailedError, match=r"different checkpoint_dir_name values \['checkpoint_a', 'checkpoint_b'\]"
+    ):
         controller.run()
     assert group.stopped
 
@@ -175,7 +197,10 @@ def test_report_barrier_releases_an_index_once_and_tells_who_is_left_behind() ->
     assert barrier.left_behind(finished=set()) == [] and barrier.overdue() == []
     assert barrier.time_to_deadline() is None, "no timeout, no deadline"
     [mismatch] = barrier.left_behind(finished={1})
-    assert (mismatch.rank, mismatch.error_type) == (1, "ReportMismatch") and "after 0 report() calls" in mismatch.message
+    assert (mismatch.rank, mismatch.error_type) == (
+        1,
+        "ReportMismatch",
+    ) and "after 0 report() calls" in mismatch.message
     assert sorted(barrier.arrive(report(1, 0)) or {}) == [0, 1, 2]
     assert barrier.waiting == {} and barrier.left_behind(finished={1}) == []
 
@@ -195,7 +220,9 @@ class Recorder(Callback):
 
     def on_attempt_start(self, run: RunInfo, attempt: AttemptStart) -> None:
         name = Path(attempt.checkpoint.path).name if attempt.checkpoint else None
-        self.calls.append(("on_attempt_start", attempt.number, attempt.world_size, attempt.reason, name, attempt.failures))
+        self.calls.append(
+            ("on_attempt_start", attempt.number, attempt.world_size, attempt.reason, name, attempt.failures)
+        )
 
     def on_workers_changed(self, run: RunInfo, alive: int) -> None:
         self.calls.append(("on_workers_changed", alive))
@@ -219,24 +246,39 @@ class Recorder(Callback):
 
 def test_async_uploads_are_committed_in_report_order_once_every_rank_uploaded(tmp_path: Path) -> None:
     checkpoint_folders(tmp_path, 0, 1)
-    group = ScriptedGroup([
-        hello(0, 1), reports(0, "checkpoint_000000", "uploading", loss=1.0), reports(1, "checkpoint_000001", "uploading", loss=0.5),
-        [uploaded(0, 1), uploaded(1, 1)], [uploaded(0, 0)], [uploaded(1, 0)], ended(0, 1),
-    ])
+    group = ScriptedGroup(
+        [
+            hello(0, 1),
+            reports(0, "checkpoint_000000", "uploading", loss=1.0),
+            reports(1, "checkpoint_000001", "uploading", loss=0.5),
+            [uploaded(0, 1), uploaded(1, 1)],
+            [uploaded(0, 0)],
+            [uploaded(1, 0)],
+            ended(0, 1),
+        ]
+    )
     recorder = Recorder(group)
     controller, _ = controller_for(tmp_path, [group], callbacks=[recorder])
     result = controller.run()
     assert recorder.named("after_report", "on_checkpoint") == [
-        ("after_report", 0), ("after_report", 1),
-        ("on_checkpoint", 0, "checkpoint_000000", 1), ("on_checkpoint", 1, "checkpoint_000001", 1),
+        ("after_report", 0),
+        ("after_report", 1),
+        ("on_checkpoint", 0, "checkpoint_000000", 1),
+        ("on_checkpoint", 1, "checkpoint_000001", 1),
     ], "report 1's upload ended first, but its commit waits for report 0's (both at the last upload)"
     assert Path(result.checkpoint.path).name == "checkpoint_000001"
 
 
 def test_an_upload_that_ends_before_the_report_completes_is_not_waited_for(tmp_path: Path) -> None:
     checkpoint_folders(tmp_path, 0)
-    group = ScriptedGroup([hello(0, 1), [report(0, 0, "checkpoint_000000", "uploading", loss=1.0), uploaded(0, 0)],
-                           [report(1, 0, "checkpoint_000000")], ended(0, 1)])
+    group = ScriptedGroup(
+        [
+            hello(0, 1),
+            [report(0, 0, "checkpoint_000000", "uploading", loss=1.0), uploaded(0, 0)],
+            [report(1, 0, "checkpoint_000000")],
+            ended(0, 1),
+        ]
+    )
     controller, _ = controller_for(tmp_path, [group])
     controller.run()
     [(_, done), _] = group.told(protocol.ReportDone)
@@ -246,9 +288,16 @@ def test_an_upload_that_ends_before_the_report_completes_is_not_waited_for(tmp_p
 
 def test_a_failed_upload_fails_the_rank_and_its_folder_is_discarded(tmp_path: Path) -> None:
     checkpoint_folders(tmp_path, 0)
-    group = ScriptedGroup([hello(0, 1), [protocol.WritingCheckpoint(0, "checkpoint_000000"),
-                                         *reports(0, "checkpoint_000000", "uploading", loss=1.0)],
-                           [uploaded(0, 0, error="disk full")]])
+    group = ScriptedGroup(
+        [
+            hello(0, 1),
+            [
+                protocol.WritingCheckpoint(0, "checkpoint_000000"),
+                *reports(0, "checkpoint_000000", "uploading", loss=1.0),
+            ],
+            [uploaded(0, 0, error="disk full")],
+        ]
+    )
     controller, _ = controller_for(tmp_path, [group])
     with pytest.raises(TrainingFailedError, match="rank 0: CheckpointUploadError: disk full"):
         controller.run()
@@ -273,15 +322,24 @@ def test_checkpoint_commits_hand_out_only_what_every_rank_uploaded() -> None:
 
 def test_a_silent_exit_is_a_failure_and_the_group_restarts_from_the_checkpoint(tmp_path: Path) -> None:
     Path(tmp_path, "run", "checkpoint_000000").mkdir(parents=True)
-    first = ScriptedGroup([hello(0, 1), [report(0, 0, "checkpoint_000000", loss=1.0), report(1, 0, "checkpoint_000000")],
-                           [WorkerExited(1, -9, "its Ray actor died: node lost")]])
+    first = ScriptedGroup(
+        [
+            hello(0, 1),
+            [report(0, 0, "checkpoint_000000", loss=1.0), report(1, 0, "checkpoint_000000")],
+            [WorkerExited(1, -9, "its Ray actor died: node lost")],
+        ]
+    )
     second = ScriptedGroup([hello(0, 1), [report(0, 1, loss=0.5), report(1, 1)], ended(0, 1)])
     controller, sizes = controller_for(tmp_path, [first, second], max_failures=1)
     result = controller.run()
     assert sizes == [2, 2] and result.num_failures == 1
     assert result.checkpoint.path.endswith("checkpoint_000000") and result.metrics == {"loss": 0.5}
     [(_, start), _] = second.told(protocol.Start)
-    assert (start.first_report_index, start.checkpoint.dir_name, start.used_dir_names) == (1, "checkpoint_000000", ["checkpoint_000000"])
+    assert (start.first_report_index, start.checkpoint.dir_name, start.used_dir_names) == (
+        1,
+        "checkpoint_000000",
+        ["checkpoint_000000"],
+    )
     assert "rank 1: WorkerDied: its Ray actor died: node lost" in str(controller.failure_history[0])
 
 
@@ -305,7 +363,9 @@ def test_each_rank_is_told_where_the_attempt_starts_when_it_says_hello(tmp_path:
 
 
 def test_a_failure_beyond_max_failures_ends_the_run_with_every_failure(tmp_path: Path) -> None:
-    failing = [ScriptedGroup([hello(0, 1), [protocol.Failed(WorkerFailure(0, "ValueError", f"bad {n}"))]]) for n in (1, 2)]
+    failing = [
+        ScriptedGroup([hello(0, 1), [protocol.Failed(WorkerFailure(0, "ValueError", f"bad {n}"))]]) for n in (1, 2)
+    ]
     controller, sizes = controller_for(tmp_path, failing, max_failures=1)
     with pytest.raises(TrainingFailedError) as raised:
         controller.run()
@@ -321,8 +381,10 @@ def test_max_failures_minus_one_restarts_for_ever(tmp_path: Path) -> None:
     controller, sizes = controller_for(tmp_path, groups, max_failures=-1)
     result = controller.run()
     assert len(sizes) == 4 and result.num_failures == 3
-    assert "rank 1: WorkerDied: the worker process exited with code 1 before its train function returned\nlast words of rank 1" \
-        in str(controller.failure_history[0])
+    assert (
+        "rank 1: WorkerDied: the worker process exited with code 1 before its train function returned\n"
+        "last words of rank 1" in str(controller.failure_history[0])
+    )
 
 
 def test_liveness_outcome_a_failure_wins_over_success_and_growth() -> None:
@@ -363,8 +425,9 @@ def test_every_callback_hook_is_called_through_growth_a_failure_and_a_restart(tm
     failing = ScriptedGroup([hello(0, 1), reports(1, "checkpoint_000001", loss=0.5), [WorkerExited(1, -9)]])
     last = ScriptedGroup([hello(0, 1), reports(2, loss=0.25), ended(0, 1)])
     recorder = Recorder()
-    controller, sizes = controller_for(tmp_path, [small, failing, last], max_failures=1, capacity=[1, 2, 2, 2, 2],
-                                       sizes=(1, 2), callbacks=[recorder])
+    controller, sizes = controller_for(
+        tmp_path, [small, failing, last], max_failures=1, capacity=[1, 2, 2, 2, 2], sizes=(1, 2), callbacks=[recorder]
+    )
     controller.run()
     assert sizes == [1, 2, 2]
     assert recorder.named("on_run_start", "on_attempt_start", "on_failure", "on_run_end") == [

@@ -15,15 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dashboard_runs import open_gate, start_dashboard, start_gated_run, stop, stop_gated_run, wait_for, write_long_run
 
 from lockstep._internal.persist.run_status import shown_status
 from lockstep._internal.persist.storage import RunStorage
 from lockstep._internal.run import run_record
 from lockstep._internal.run.run_record import RunRecorder
 from lockstep.config import CheckpointConfig
-
-from dashboard_runs import (open_gate, start_dashboard, start_gated_run, stop, stop_gated_run, wait_for,
-                            write_long_run)
 
 
 def get(url: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
@@ -44,8 +42,9 @@ def get_json(url: str) -> Any:
 # -- the record's heartbeat and the lost status ---------------------------------------------------------
 
 
-def test_the_record_beats_only_when_nothing_else_wrote_it_for_an_interval(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_record_beats_only_when_nothing_else_wrote_it_for_an_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     recorder = RunRecorder(RunStorage(str(tmp_path / "run")), CheckpointConfig(), world_size=1)
     recorder.open()
     first = recorder.storage.read_record()
@@ -56,7 +55,9 @@ def test_the_record_beats_only_when_nothing_else_wrote_it_for_an_interval(tmp_pa
     recorder.note_rank(0, "trainer-0", 4321)
     recorder.beat()
     beaten = recorder.storage.read_record()
-    assert beaten["heartbeat_at"] > first["heartbeat_at"] and beaten["ranks"] == {"0": {"host": "trainer-0", "pid": 4321}}
+    assert beaten["heartbeat_at"] > first["heartbeat_at"] and beaten["ranks"] == {
+        "0": {"host": "trainer-0", "pid": 4321}
+    }
     recorder.finish("finished")
     finished = recorder.storage.read_record()
     recorder.beat()
@@ -99,7 +100,9 @@ def test_the_api_lists_runs_and_serves_a_runs_details_reports_and_logs(local_sit
         detail = get_json(url + "api/runs/long")
         assert detail["slow_rank"] == {"rank": 1, "cause": "data", "share": pytest.approx(0.5)}
         assert [(rank["rank"], rank["host"], rank["slow"]) for rank in detail["ranks"]] == [
-            (0, "trainer-0", False), (1, "trainer-1", True)]
+            (0, "trainer-0", False),
+            (1, "trainer-1", True),
+        ]
         kept = [checkpoint for checkpoint in detail["checkpoints"] if checkpoint["kept"]]
         assert [checkpoint["dir_name"] for checkpoint in kept] == ["checkpoint_001999", "checkpoint_002999"]
         assert all(checkpoint["size_bytes"] == 4096 for checkpoint in kept)
@@ -145,8 +148,13 @@ def test_off_loopback_the_dashboard_wants_its_token(local_site: str) -> None:
 
 
 def test_the_help_says_how_to_reach_it_through_an_ssh_tunnel() -> None:
-    shown = subprocess.run([sys.executable, "-m", "lockstep.cli", "dashboard", "--help"], capture_output=True,
-                           text=True, timeout=60, check=True).stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "lockstep.cli", "dashboard", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "ssh -N -L 8267:127.0.0.1:8267 you@training-machine" in shown and "http://localhost:8267/" in shown
 
 
@@ -154,8 +162,9 @@ def test_the_help_says_how_to_reach_it_through_an_ssh_tunnel() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_live_run_on_s3_shows_its_reports_and_its_log_tail_while_it_runs(s3_env: dict[str, str],
-                                                                           tmp_path: Path) -> None:
+def test_a_live_run_on_s3_shows_its_reports_and_its_log_tail_while_it_runs(
+    s3_env: dict[str, str], tmp_path: Path
+) -> None:
     gates = tmp_path / "gates"
     driver = start_gated_run("s3://runs/live", "on-s3", gates)
     dashboard = None
@@ -163,15 +172,22 @@ def test_a_live_run_on_s3_shows_its_reports_and_its_log_tail_while_it_runs(s3_en
         import s3fs
 
         store = s3fs.S3FileSystem(skip_instance_cache=True)
-        wait_for(lambda: store.exists("runs/live/on-s3/lockstep_run.json"), 90, "the run record on S3",
-                 interval_s=0.5)
+        wait_for(lambda: store.exists("runs/live/on-s3/lockstep_run.json"), 90, "the run record on S3", interval_s=0.5)
         dashboard, url = start_dashboard("s3://runs/live")
         open_gate(gates, "0")
-        run = wait_for(lambda: next((row for row in get_json(url + "api/runs")["runs"] if row["reports"] == 1), None),
-                       60, "the first report through the dashboard", interval_s=0.5)
+        run = wait_for(
+            lambda: next((row for row in get_json(url + "api/runs")["runs"] if row["reports"] == 1), None),
+            60,
+            "the first report through the dashboard",
+            interval_s=0.5,
+        )
         assert run["status"] == "running"
-        logs = wait_for(lambda: get_json(url + "api/runs/on-s3/logs")["logs"].get("rank_0.log"), 60,
-                        "rank 0's log on S3 while the run goes on", interval_s=0.5)
+        logs = wait_for(
+            lambda: get_json(url + "api/runs/on-s3/logs")["logs"].get("rank_0.log"),
+            60,
+            "rank 0's log on S3 while the run goes on",
+            interval_s=0.5,
+        )
         assert "rank 0 makes report 0" in logs
         assert get_json(url + "api/runs/on-s3")["ranks"][0]["status"] == "running"
         assert driver.poll() is None, "the run ended before the checks"

@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from browser import chromium, missing_browser
+from conftest import untagged
+from dashboard_runs import open_gate, start_dashboard, start_gated_run, stop, stop_gated_run, wait_for, write_long_run
 
 import lockstep
 from lockstep import Checkpoint, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep.torch import TorchTrainer
-
-from browser import chromium, missing_browser
-from conftest import untagged
-from dashboard_runs import (open_gate, start_dashboard, start_gated_run, stop, stop_gated_run, wait_for,
-                            write_long_run)
 
 #: The page of a run with 10,000 reports must be drawn within this, from navigation to its first render.
 LOAD_BOUND_MS = 1000
@@ -39,8 +37,10 @@ def three_reports_with_checkpoints() -> None:
         print(f"epoch {step} done", flush=True)
         folder = tempfile.mkdtemp()
         Path(folder, "weights.bin").write_bytes(b"\0" * 2048)
-        lockstep.report({"step": step, "loss": 1.0 / (step + 1), "accuracy": 0.5 + 0.1 * step},
-                        checkpoint=Checkpoint.from_directory(folder))
+        lockstep.report(
+            {"step": step, "loss": 1.0 / (step + 1), "accuracy": 0.5 + 0.1 * step},
+            checkpoint=Checkpoint.from_directory(folder),
+        )
 
 
 def rank_1_fails() -> None:
@@ -69,17 +69,25 @@ class Site:
     def open(self, path: str, timeout_s: float = 30) -> None:
         """Go to a page and wait until its script has drawn it."""
         self.browser.get(self.url + path.lstrip("/"))
-        wait_for(lambda: self.browser.execute_script("return document.body.dataset.loaded") == "1", timeout_s,
-                 f"the page {path} to load")
+        wait_for(
+            lambda: self.browser.execute_script("return document.body.dataset.loaded") == "1",
+            timeout_s,
+            f"the page {path} to load",
+        )
 
     def text(self, selector: str) -> str:
-        return str(self.browser.execute_script(
-            "const node = document.querySelector(arguments[0]); return node ? node.textContent : ''", selector))
+        return str(
+            self.browser.execute_script(
+                "const node = document.querySelector(arguments[0]); return node ? node.textContent : ''", selector
+            )
+        )
 
     def points(self, metric: str) -> int:
         found = self.browser.execute_script(
-            "const c = document.querySelector(`canvas[data-metric='${arguments[0]}']`); return c ? c.dataset.points : null",
-            metric)
+            "const c = document.querySelector(`canvas[data-metric='${arguments[0]}']`); "
+            "return c ? c.dataset.points : null",
+            metric,
+        )
         return int(found) if found is not None else -1
 
 
@@ -89,11 +97,17 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     if reason is not None:
         pytest.skip(reason)
     storage = str(tmp_path_factory.mktemp("dashboard_browser") / "results")
-    TorchTrainer(three_reports_with_checkpoints, scaling_config=ScalingConfig(num_workers=2),
-                 run_config=RunConfig(name="finished", storage_path=storage, verbose=0)).fit()
+    TorchTrainer(
+        three_reports_with_checkpoints,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="finished", storage_path=storage, verbose=0),
+    ).fit()
     with pytest.raises(TrainingFailedError):
-        TorchTrainer(rank_1_fails, scaling_config=ScalingConfig(num_workers=2),
-                     run_config=RunConfig(name="failed", storage_path=storage, verbose=0)).fit()
+        TorchTrainer(
+            rank_1_fails,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name="failed", storage_path=storage, verbose=0),
+        ).fit()
     write_long_run(storage, "long-run")
     gates = tmp_path_factory.mktemp("gates")
     with contextlib.ExitStack() as cleanup:
@@ -137,16 +151,25 @@ def assert_not_blank(path: Path) -> None:
 def test_the_runs_list_shows_a_finished_and_a_running_run_and_filters_them(site: Site) -> None:
     site.open("/")
     statuses = site.browser.execute_script(
-        "return Object.fromEntries([...document.querySelectorAll('tr[data-run]')].map(r => [r.dataset.run, r.dataset.status]))")
+        "return Object.fromEntries([...document.querySelectorAll('tr[data-run]')]"
+        ".map(r => [r.dataset.run, r.dataset.status]))"
+    )
     assert statuses == {"finished": "finished", "live": "running", "failed": "failed", "long-run": "finished"}
     assert "failed on rank 1" in site.text("tr[data-run='failed']")
     screenshot(site, "runs")
 
     search = site.browser.find_element("id", "filter")
     search.send_keys("fin")
-    wait_for(lambda: site.browser.execute_script(
-        "return [...document.querySelectorAll('tr[data-run]')].map(r => r.dataset.run).join()") == "finished", 10,
-        "the filter to leave one run")
+    wait_for(
+        lambda: (
+            site.browser.execute_script(
+                "return [...document.querySelectorAll('tr[data-run]')].map(r => r.dataset.run).join()"
+            )
+            == "finished"
+        ),
+        10,
+        "the filter to leave one run",
+    )
     search.clear()
     site.browser.execute_script("document.querySelector('th[data-key=reports]').click()")
     order = site.browser.execute_script("return [...document.querySelectorAll('tr[data-run]')].map(r => r.dataset.run)")
@@ -167,7 +190,10 @@ def test_a_failed_run_shows_the_failed_ranks_traceback(site: Site) -> None:
     site.open("/runs/failed")
     assert site.text("h1 .badge") == "failed"
     traceback = site.text(".failure[data-rank='1'] pre.traceback")
-    assert traceback.startswith("Traceback (most recent call last)") and "RuntimeError: rank 1 fails on purpose" in traceback
+    assert (
+        traceback.startswith("Traceback (most recent call last)")
+        and "RuntimeError: rank 1 fails on purpose" in traceback
+    )
     assert "failed (RuntimeError)" in site.text("#ranks tr[data-rank='1']")
     screenshot(site, "failed")
 

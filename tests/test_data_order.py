@@ -39,8 +39,13 @@ def loader_for(rank: int = 0, **settings: object) -> ResumableDataLoader:
 
 def saved_position(epoch: int, batches: int, num_replicas: int = 2) -> dict[str, object]:
     """A state_dict() as a loader of ``num_replicas`` workers saves it mid-epoch."""
-    return {"epoch": epoch, "batches_yielded": batches, "pass_finished": False,
-            "num_replicas": num_replicas, "batch_size": BATCH}
+    return {
+        "epoch": epoch,
+        "batches_yielded": batches,
+        "pass_finished": False,
+        "num_replicas": num_replicas,
+        "batch_size": BATCH,
+    }
 
 
 def one_pass(loader: object) -> list[int]:
@@ -123,7 +128,7 @@ def test_skipped_batches_are_never_loaded() -> None:
     loader = ResumableDataLoader(dataset, sampler=sampler, batch_size=BATCH)
     loader.load_state_dict(saved_position(epoch=2, batches=5))
     rest = one_pass(loader)
-    assert rest == reference_order(2)[5 * BATCH:]
+    assert rest == reference_order(2)[5 * BATCH :]
     assert dataset.loaded == rest
 
 
@@ -203,7 +208,8 @@ def passes_without_set_epoch() -> list[object]:
 @pytest.mark.timeout(120)
 def test_two_workers_see_a_new_epoch_each_pass(storage_path: str) -> None:
     result = TorchTrainer(
-        passes_without_set_epoch, scaling_config=ScalingConfig(num_workers=2),
+        passes_without_set_epoch,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="epochs", storage_path=storage_path),
     ).fit()
     for rank, passes in enumerate(result.return_value):
@@ -227,8 +233,10 @@ def _report(rank: int, epoch: int, loader: ResumableDataLoader, seen: dict[str, 
     with tempfile.TemporaryDirectory() as folder:
         state = {"epoch": epoch, "seen": seen, "loader": loader.state_dict()}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(state))
-        lockstep.report({"epoch": epoch, "position": state["loader"]["batches_yielded"]},
-                        checkpoint=Checkpoint.from_directory(folder))
+        lockstep.report(
+            {"epoch": epoch, "position": state["loader"]["batches_yielded"]},
+            checkpoint=Checkpoint.from_directory(folder),
+        )
 
 
 def train_and_fail_mid_epoch(config: dict) -> None:
@@ -267,7 +275,7 @@ def test_restart_mid_epoch_sees_each_sample_once(storage_path: str, tmp_path: Pa
         second = [json.loads(line) for line in (tmp_path / f"second_rank{rank}.jsonl").read_text().splitlines()]
         assert [entry["epoch"] for entry in second] == [1] * 4, "the second attempt starts inside epoch 1"
         second_ids = [i for entry in second for i in entry["ids"]]
-        assert second_ids == reference_order(1, rank, RUN_SAMPLES)[2 * RUN_BATCH:]
+        assert second_ids == reference_order(1, rank, RUN_SAMPLES)[2 * RUN_BATCH :]
     first_rank1 = (tmp_path / "first_rank1.jsonl").read_text().splitlines()
     assert len(first_rank1) == 6 + 3, "rank 1 saw one batch past its last checkpoint before failing"
     saved = [json.loads(Path(result.checkpoint.path, f"rank{rank}.json").read_text()) for rank in range(2)]

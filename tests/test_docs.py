@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import DATA_DIR, REPO_ROOT
 
 DOCS_DIR = REPO_ROOT / "docs"
@@ -100,8 +99,12 @@ def parse_doc(path: Path) -> ParsedDoc:
         index += 1
         while index < len(lines):
             closing = FENCE.match(lines[index])
-            if closing and closing.group("fence")[0] == fence[0] and len(closing.group("fence")) >= len(fence) \
-                    and not closing.group("info").strip():
+            if (
+                closing
+                and closing.group("fence")[0] == fence[0]
+                and len(closing.group("fence")) >= len(fence)
+                and not closing.group("info").strip()
+            ):
                 break
             text = lines[index]
             body.append(text[indent:] if text[:indent].strip() == "" else text.lstrip())
@@ -140,8 +143,10 @@ RUN_BLOCKS = blocks_to_run()
 def readme_links() -> list[tuple[str, str]]:
     """The README's relative links into docs/: ``(page, anchor)``, the anchor "" when it has none."""
     text = (REPO_ROOT / "README.md").read_text()
-    return [(match.group(1), match.group(2) or "")
-            for match in re.finditer(r"\]\((docs/[^)#\s]+\.md)(?:#([^)\s]+))?\)", text)]
+    return [
+        (match.group(1), match.group(2) or "")
+        for match in re.finditer(r"\]\((docs/[^)#\s]+\.md)(?:#([^)\s]+))?\)", text)
+    ]
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 30)
@@ -151,9 +156,21 @@ def test_the_site_builds_strictly_and_the_readme_links_into_it(tmp_path: Path) -
     built, with the heading its link names."""
     site = tmp_path / "site"
     completed = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO_ROOT / "mkdocs.yml"),
-         "--site-dir", str(site)],
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(REPO_ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+        cwd=tmp_path,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert completed.returncode == 0, f"mkdocs build --strict failed:\n{completed.stdout}\n{completed.stderr}"
@@ -170,8 +187,9 @@ def test_the_site_builds_strictly_and_the_readme_links_into_it(tmp_path: Path) -
 def test_the_docs_mark_the_few_blocks_they_do_not_run() -> None:
     """Every no-run marker stands right before a Python block and gives a reason; the marked
     blocks are few and there are blocks to run."""
-    strays = [f"{path.relative_to(REPO_ROOT)}:{line}"
-              for path, parsed in PARSED.items() for line in parsed.stray_markers]
+    strays = [
+        f"{path.relative_to(REPO_ROOT)}:{line}" for path, parsed in PARSED.items() for line in parsed.stray_markers
+    ]
     assert not strays, f"no-run markers not followed by a Python code block: {strays}"
     unexplained = [block.where for block in NO_RUN_BLOCKS if not block.no_run]
     assert not unexplained, f"no-run markers without a reason: {unexplained}"
@@ -192,8 +210,15 @@ def test_a_docs_code_block_runs(block: CodeBlock, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "LOCKSTEP_DATA": str(DATA_DIR), "MPLBACKEND": "Agg"}
-    process = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -13,8 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from lockstep._internal.warm.preload import FOR_PREPARED_MODELS, scan_script
 from lockstep._internal.warm.zygote import Zygote
 
@@ -36,8 +36,7 @@ def result_of(completed: subprocess.CompletedProcess[str]) -> dict:
 
 
 def run(command: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
-                          env={**os.environ, **env})
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env={**os.environ, **env})
 
 
 # -- what a script's imports guess ---------------------------------------------------------------
@@ -46,7 +45,8 @@ def run(command: list[str], **env: str) -> subprocess.CompletedProcess[str]:
 def test_the_guess_is_the_installed_packages_the_script_and_its_own_modules_import(tmp_path: Path) -> None:
     (tmp_path / "helpers.py").write_text("import numpy as np\nfrom . import nothing\n")
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, json
         import torch
         from torchvision import datasets
@@ -58,7 +58,8 @@ def test_the_guess_is_the_installed_packages_the_script_and_its_own_modules_impo
 
         def train():
             import pandas
-    """))
+    """)
+    )
     # the script's top-level imports, then those inside its functions, then its own modules'
     scan = scan_script(str(script))
     assert scan.modules == ["torch", "torchvision", "pandas", *FOR_PREPARED_MODELS, "numpy"]
@@ -118,8 +119,9 @@ def test_a_warm_process_made_unsafe_by_a_guess_refuses_the_first_request() -> No
 @pytest.mark.timeout(120)
 def test_import_lockstep_in_a_script_starts_it_with_the_script_s_imports(tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
-    script.write_text("import lockstep\nif False:\n    import torchvision\n    from lockstep.torch import TorchTrainer\n"
-                      + WARM_FACTS)
+    script.write_text(
+        "import lockstep\nif False:\n    import torchvision\n    from lockstep.torch import TorchTrainer\n" + WARM_FACTS
+    )
     facts = result_of(run([sys.executable, str(script)]))
     assert facts["warm"] is not None and facts["torch"] is False, "import lockstep loaded torch in the driver"
     assert facts["guessed"] == ["torchvision"]
@@ -157,8 +159,9 @@ def test_lockstep_run_runs_the_script_as_python_would_with_the_warm_process_alre
     completed = run([LOCKSTEP_COMMAND, "run", str(script), "--lr", "0.1", "x"])
     assert completed.returncode == 3, completed.stderr
     first = completed.stdout.split("FIRST ", 1)[1].splitlines()[0]
-    assert first == repr({"children": 1, "argv": [str(script), "--lr", "0.1", "x"], "path0": str(tmp_path),
-                          "name": "__main__"})
+    assert first == repr(
+        {"children": 1, "argv": [str(script), "--lr", "0.1", "x"], "path0": str(tmp_path), "name": "__main__"}
+    )
     facts = json.loads(completed.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert facts["warm"] is not None and facts["guessed"] == ["torch"]
 
@@ -178,7 +181,8 @@ def test_lockstep_run_shows_the_script_s_exception_from_the_script_on(tmp_path: 
 @pytest.mark.timeout(120)
 def test_lockstep_run_trains_with_workers_forked_by_the_early_warm_process(tmp_path: Path, storage_path: str) -> None:
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os
         import torch
         import lockstep
@@ -192,8 +196,12 @@ def test_lockstep_run_trains_with_workers_forked_by_the_early_warm_process(tmp_p
 
         result = TorchTrainer(train, scaling_config=lockstep.ScalingConfig(num_workers=2),
                               run_config=lockstep.RunConfig(storage_path={storage_path!r}, name="early")).fit()
-        assert result.metrics["parent"] == warm_start.warm_process_pid(), (result.metrics, warm_start.warm_process_pid())
+        assert result.metrics["parent"] == warm_start.warm_process_pid(), (
+            result.metrics,
+            warm_start.warm_process_pid(),
+        )
         print("TRAINED")
-    """))
+    """)
+    )
     completed = run([LOCKSTEP_COMMAND, "run", str(script)])
     assert completed.returncode == 0 and "TRAINED" in completed.stdout, completed.stderr

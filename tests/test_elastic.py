@@ -60,9 +60,12 @@ def test_an_elastic_run_shrinks_when_a_worker_is_lost_and_grows_back(storage_pat
         outcome["thread"] = threading.get_native_id()
         try:
             outcome["result"] = TorchTrainer(
-                shrink_then_grow, train_loop_config={"marks": str(marks)},
+                shrink_then_grow,
+                train_loop_config={"marks": str(marks)},
                 scaling_config=ScalingConfig(num_workers=(1, 2)),
-                run_config=RunConfig(name="elastic", storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
+                run_config=RunConfig(
+                    name="elastic", storage_path=storage_path, failure_config=FailureConfig(max_failures=1)
+                ),
             ).fit()
         except BaseException as error:  # noqa: BLE001 - handed to the test
             outcome["error"] = error
@@ -84,15 +87,25 @@ def test_an_elastic_run_shrinks_when_a_worker_is_lost_and_grows_back(storage_pat
     assert not driver.is_alive()
     result = outcome.get("result")
     assert result is not None, outcome.get("error")
-    assert [(row["step"], row["world"]) for row in result.metrics_history] == [(0, 2), (1, 2), (2, 1), (3, 1), (4, 1), (5, 2)]
+    assert [(row["step"], row["world"]) for row in result.metrics_history] == [
+        (0, 2),
+        (1, 2),
+        (2, 1),
+        (3, 1),
+        (4, 1),
+        (5, 2),
+    ]
     assert result.num_failures == 1
 
 
 def test_an_elastic_run_needs_its_minimum(storage_path: str) -> None:
     cpus = len(os.sched_getaffinity(0))
     with pytest.raises(TrainingFailedError, match=rf"hold {cpus} worker\(s\) now, fewer than the {cpus + 1}"):
-        TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=(cpus + 1, cpus + 2)),
-                     run_config=RunConfig(storage_path=storage_path)).fit()
+        TorchTrainer(
+            lambda: None,
+            scaling_config=ScalingConfig(num_workers=(cpus + 1, cpus + 2)),
+            run_config=RunConfig(storage_path=storage_path),
+        ).fit()
 
 
 def test_num_workers_pairs_are_validated() -> None:

@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 LOCKSTEP_COMMAND = str(Path(sys.executable).with_name("lockstep"))
@@ -28,7 +27,9 @@ class Marked:
         os.write(self.fd, b"finalized")
 """
 
-SCRIPT = MARKERS + """
+SCRIPT = (
+    MARKERS
+    + """
 class Holder:
     # A reference cycle holding a file nobody closes: only a collection frees it.
     def __init__(self, path):
@@ -49,8 +50,11 @@ threading.Thread(target=after_the_script).start()
 atexit.register(print, "exit handler ran")
 sys.exit(3)
 """
+)
 
-HELD_BY_A_PACKAGE = MARKERS + """
+HELD_BY_A_PACKAGE = (
+    MARKERS
+    + """
 class Kept(Marked):
     # Needs no global to be finalized: a package's teardown may have cleared this module by then.
     def __init__(self, path):
@@ -61,6 +65,7 @@ class Kept(Marked):
 
 json.kept_by_a_package = Kept(sys.argv[1] + ".package")  # only json's teardown drops it
 """
+)
 
 
 def run_script(tmp_path: Path, text: str, fast_exit: str) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -68,8 +73,14 @@ def run_script(tmp_path: Path, text: str, fast_exit: str) -> tuple[subprocess.Co
     script.write_text(textwrap.dedent(text))
     out = tmp_path / f"out_{fast_exit}"
     env = {**os.environ, "LOCKSTEP_WARM_START": "0", "LOCKSTEP_FAST_EXIT": fast_exit}
-    completed = subprocess.run([LOCKSTEP_COMMAND, "run", str(script), str(out)], capture_output=True, text=True,
-                               timeout=60, cwd=REPO_ROOT, env=env)
+    completed = subprocess.run(
+        [LOCKSTEP_COMMAND, "run", str(script), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env=env,
+    )
     assert "Exception ignored" not in completed.stderr, completed.stderr
     return completed, out
 

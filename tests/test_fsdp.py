@@ -81,8 +81,10 @@ def sharded_train_func(config: dict[str, Any]) -> dict[str, Any]:
 def _equal(loaded: Any, saved: Any) -> bool:
     """Whether two nested state dicts hold the same keys and equal tensors."""
     if isinstance(loaded, dict):
-        return isinstance(saved, dict) and loaded.keys() == saved.keys() and all(
-            _equal(loaded[key], saved[key]) for key in loaded
+        return (
+            isinstance(saved, dict)
+            and loaded.keys() == saved.keys()
+            and all(_equal(loaded[key], saved[key]) for key in loaded)
         )
     if isinstance(loaded, torch.Tensor):
         return isinstance(saved, torch.Tensor) and torch.equal(loaded, saved)
@@ -91,7 +93,8 @@ def _equal(loaded: Any, saved: Any) -> bool:
 
 def fit_sharded(storage_path: str, workers: int) -> lockstep.Result:
     return TorchTrainer(
-        sharded_train_func, scaling_config=ScalingConfig(num_workers=workers),
+        sharded_train_func,
+        scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(name="sharded", storage_path=storage_path, verbose=0),
     ).fit()
 

@@ -26,19 +26,26 @@ def nccl_and_placement() -> None:
     inputs = torch.arange(64, dtype=torch.float32).reshape(16, 4)
     loader = prepare_data_loader(DataLoader(TensorDataset(inputs), batch_size=8))
     batches = [batch for (batch,) in loader]
-    lockstep.report({
-        "backend": dist.get_backend(), "device": str(device), "sum": total.item(),
-        "model_device": str(next(model.parameters()).device),
-        "batch_devices": sorted({str(batch.device) for batch in batches}),
-        "batches_equal": torch.equal(torch.cat([batch.cpu() for batch in batches]), inputs),
-        "visible": torch.cuda.device_count(),
-    })
+    lockstep.report(
+        {
+            "backend": dist.get_backend(),
+            "device": str(device),
+            "sum": total.item(),
+            "model_device": str(next(model.parameters()).device),
+            "batch_devices": sorted({str(batch.device) for batch in batches}),
+            "batches_equal": torch.equal(torch.cat([batch.cpu() for batch in batches]), inputs),
+            "visible": torch.cuda.device_count(),
+        }
+    )
 
 
 @pytest.mark.timeout(180)
 def test_one_gpu_worker_uses_nccl_and_its_device(tmp_path) -> None:
-    result = TorchTrainer(nccl_and_placement, scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
-                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    result = TorchTrainer(
+        nccl_and_placement,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=RunConfig(storage_path=str(tmp_path)),
+    ).fit()
     metrics = result.metrics
     assert metrics["backend"] == "nccl" and metrics["device"] == "cuda:0" and metrics["sum"] == 1.0
     assert metrics["model_device"] == "cuda:0" and metrics["batch_devices"] == ["cuda:0"]
@@ -49,8 +56,11 @@ def test_one_gpu_worker_uses_nccl_and_its_device(tmp_path) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_workers_each_get_their_own_gpu(tmp_path) -> None:
-    result = TorchTrainer(nccl_and_placement, scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
-                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    result = TorchTrainer(
+        nccl_and_placement,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+        run_config=RunConfig(storage_path=str(tmp_path)),
+    ).fit()
     assert result.metrics["sum"] == 2.0 and result.metrics["device"] == "cuda:0"
 
 
@@ -68,11 +78,16 @@ def fsdp_on_gpus(config: dict) -> dict:
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize(("kwargs", "kind"), [({}, "FSDPSequential"), ({"sharding_strategy": None}, "FullyShardedDataParallel")])
+@pytest.mark.parametrize(
+    ("kwargs", "kind"), [({}, "FSDPSequential"), ({"sharding_strategy": None}, "FullyShardedDataParallel")]
+)
 def test_fsdp_on_two_gpus_fsdp2_and_ray_trains_fsdp1_arguments(tmp_path, kwargs: dict, kind: str) -> None:
-    result = TorchTrainer(fsdp_on_gpus, train_loop_config={"kwargs": kwargs},
-                          scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
-                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    result = TorchTrainer(
+        fsdp_on_gpus,
+        train_loop_config={"kwargs": kwargs},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+        run_config=RunConfig(storage_path=str(tmp_path)),
+    ).fit()
     assert result.metrics["kind"] == kind
 
 
@@ -83,15 +98,17 @@ def test_a_hang_around_an_nccl_collective_is_an_nccl_hang_error_naming_it(tmp_pa
     while rank 0's NCCL all-reduce waits for it; the flight recorder names the collective."""
     from test_hangs import train_steps
 
-    trainer = TorchTrainer(train_steps, train_loop_config={"steps": 10_000, "stuck_rank": 1, "stuck_at": 20,
-                                                           "marker": str(tmp_path / "stuck_since")},
-                           scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
-                           run_config=RunConfig(storage_path=str(tmp_path),
-                                                failure_config=lockstep.FailureConfig(hang_timeout_s=5)))
+    trainer = TorchTrainer(
+        train_steps,
+        train_loop_config={"steps": 10_000, "stuck_rank": 1, "stuck_at": 20, "marker": str(tmp_path / "stuck_since")},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+        run_config=RunConfig(storage_path=str(tmp_path), failure_config=lockstep.FailureConfig(hang_timeout_s=5)),
+    )
     with pytest.raises(lockstep.NCCLHangError) as raised:
         trainer.fit()
     assert list(raised.value.failures) == [1] and raised.value.failures[1].error_type == "Hang"
     assert "(waiting in torch collective nccl:all_reduce #" in str(raised.value)
+
 
 def report_a_checkpoint_to_validate() -> None:
     import tempfile
@@ -105,8 +122,11 @@ def report_a_checkpoint_to_validate() -> None:
 def gpus_seen(checkpoint: lockstep.Checkpoint) -> dict:
     import os
 
-    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
-            "sum": torch.ones(3, device="cuda").sum().item()}
+    return {
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "count": torch.cuda.device_count(),
+        "sum": torch.ones(3, device="cuda").sum().item(),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -116,7 +136,8 @@ def test_a_validation_gets_the_gpu_it_asks_for(tmp_path) -> None:
     from lockstep import ValidationConfig
 
     result = TorchTrainer(
-        report_a_checkpoint_to_validate, scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        report_a_checkpoint_to_validate,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
         run_config=RunConfig(storage_path=str(tmp_path)),
         validation_config=ValidationConfig(gpus_seen, ray_remote_kwargs={"num_gpus": 1}),
     ).fit()

@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-
 from conftest import stacks_by_rank
+from torch.utils.data import DataLoader, TensorDataset
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
@@ -57,11 +56,14 @@ def median_of_recorded_steps(step_times_s: list[float]) -> float | None:
     return progress.median_step_s()
 
 
-@pytest.mark.parametrize(("step_times_s", "threshold_s"), [
-    ([30.0, 1.0, 1.2, 0.9, 1.1, 1.0], 60.0),      # a 30x slow step among 1 s ones: 60 s, the floor
-    ([8.0, 8.4, 7.6, 8.2, 90.0, 8.0], 81.0),      # 8 s steps: 10 x the median (8.1 s), an outlier ignored
-    ([0.05] * 30, 60.0),
-])
+@pytest.mark.parametrize(
+    ("step_times_s", "threshold_s"),
+    [
+        ([30.0, 1.0, 1.2, 0.9, 1.1, 1.0], 60.0),  # a 30x slow step among 1 s ones: 60 s, the floor
+        ([8.0, 8.4, 7.6, 8.2, 90.0, 8.0], 81.0),  # 8 s steps: 10 x the median (8.1 s), an outlier ignored
+        ([0.05] * 30, 60.0),
+    ],
+)
 def test_the_default_threshold_is_60_s_or_10_median_steps(step_times_s: list[float], threshold_s: float) -> None:
     clock = Clock()
     watch = HangWatch(HangRule.from_config(FailureConfig()), clock)  # type: ignore[arg-type]
@@ -106,8 +108,13 @@ def test_without_steps_report_intervals_are_the_step_time() -> None:
 def test_the_settings_are_checked_and_none_turns_the_detector_off() -> None:
     assert HangRule.from_config(FailureConfig(hang_timeout_s=None)) is None
     assert HangRule(timeout_s=60.0).progress_every_s == 5.0 and HangRule(timeout_s=2.0).progress_every_s == 0.5
-    for field, value in [("hang_timeout_s", 0), ("hang_timeout_s", "60"), ("hang_first_step_timeout_s", -1.0),
-                         ("hang_step_multiple", 0.5), ("hang_step_multiple", None)]:
+    for field, value in [
+        ("hang_timeout_s", 0),
+        ("hang_timeout_s", "60"),
+        ("hang_first_step_timeout_s", -1.0),
+        ("hang_step_multiple", 0.5),
+        ("hang_step_multiple", None),
+    ]:
         with pytest.raises(ValueError, match=rf"FailureConfig\.{field} must be"):
             FailureConfig(**{field: value})
 
@@ -128,25 +135,36 @@ def probed_watch(answers: dict[int, protocol.Stacks], work: dict[int, int] | Non
 
 
 def test_without_the_flight_recorder_the_rank_behind_is_named() -> None:
-    watch = probed_watch({rank: protocol.Stacks(rank=rank, stacks="", work=work) for rank, work in [(0, 40), (1, 37), (2, 40)]})
+    watch = probed_watch(
+        {rank: protocol.Stacks(rank=rank, stacks="", work=work) for rank, work in [(0, 40), (1, 37), (2, 40)]}
+    )
     failures = hang_failures(watch, [0, 1, 2], {})
     assert [failure.rank for failure in failures] == [1] and failures[0].error_type == "Hang"
     assert "is behind (progress count 37, others up to 40)" in failures[0].message
 
 
 def test_ranks_equally_far_and_waiting_in_nothing_are_all_named_and_the_error_says_none_is_behind() -> None:
-    watch = probed_watch({rank: protocol.Stacks(rank=rank, stacks="", collectives_known=True, work=9) for rank in (0, 1)})
+    watch = probed_watch(
+        {rank: protocol.Stacks(rank=rank, stacks="", collectives_known=True, work=9) for rank in (0, 1)}
+    )
     failures = hang_failures(watch, [0, 1], {})
     assert [failure.rank for failure in failures] == [0, 1]
     assert "no rank is behind the others" in failures[0].message
 
 
 def test_ranks_that_all_wait_in_different_collectives_are_all_named_with_where_they_wait() -> None:
-    watch = probed_watch({0: protocol.Stacks(rank=0, stacks="", collective="gloo:broadcast #3", collectives_known=True),
-                          1: protocol.Stacks(rank=1, stacks="", collectives_known=True)})
+    watch = probed_watch(
+        {
+            0: protocol.Stacks(rank=0, stacks="", collective="gloo:broadcast #3", collectives_known=True),
+            1: protocol.Stacks(rank=1, stacks="", collectives_known=True),
+        }
+    )
     failures = hang_failures(watch, [0, 1], {1: "report #2"})
     assert [failure.rank for failure in failures] == [0, 1]
-    assert "this one in gloo:broadcast #3; rank 0 waits in gloo:broadcast #3; rank 1 waits in report #2" in failures[0].message
+    assert (
+        "this one in gloo:broadcast #3; rank 0 waits in gloo:broadcast #3; rank 1 waits in report #2"
+        in failures[0].message
+    )
 
 
 def test_ranks_are_listed_as_runs() -> None:
@@ -175,7 +193,7 @@ def train_steps(config: dict[str, Any]) -> None:
             start = int(Path(folder, "step").read_text()) + 1
     if rank == 0:
         time.sleep(config.get("pause_s", 0))
-    for step, (inputs,) in zip(range(start, config["steps"]), loader):
+    for step, (inputs,) in zip(range(start, config["steps"]), loader, strict=False):  # the steps end it first
         if step == config.get("stuck_at") and rank == config.get("stuck_rank") and checkpoint is None:
             Path(config["marker"]).write_text(str(time.time()))
             threading.Event().wait()
@@ -210,24 +228,39 @@ def report_checkpoint(step: int, upload_s: float = 0) -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "step").write_text(str(step))
-        lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder),
-                        checkpoint_upload_fn=slow_upload if upload_s else None)
+        lockstep.report(
+            {"step": step},
+            checkpoint=Checkpoint.from_directory(folder),
+            checkpoint_upload_fn=slow_upload if upload_s else None,
+        )
 
 
-def fit(storage_path: str, workers: int, failure: FailureConfig, callbacks: list[Any] | None = None,
-        **config: Any) -> lockstep.Result:
-    return TorchTrainer(train_steps, train_loop_config=config, scaling_config=ScalingConfig(num_workers=workers),
-                        run_config=RunConfig(storage_path=storage_path, failure_config=failure,
-                                             callbacks=callbacks or [])).fit()
+def fit(
+    storage_path: str, workers: int, failure: FailureConfig, callbacks: list[Any] | None = None, **config: Any
+) -> lockstep.Result:
+    return TorchTrainer(
+        train_steps,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=RunConfig(storage_path=storage_path, failure_config=failure, callbacks=callbacks or []),
+    ).fit()
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_in_its_data_loop_is_named_with_every_stack_within_the_threshold(
-        storage_path: str, tmp_path: Path) -> None:
+    storage_path: str, tmp_path: Path
+) -> None:
     marker = tmp_path / "stuck_since"
     with pytest.raises(WorkerGroupError) as raised:
-        fit(storage_path, 3, FailureConfig(hang_timeout_s=2.0), steps=10_000, stuck_rank=1, stuck_at=30,
-            marker=str(marker))
+        fit(
+            storage_path,
+            3,
+            FailureConfig(hang_timeout_s=2.0),
+            steps=10_000,
+            stuck_rank=1,
+            stuck_at=30,
+            marker=str(marker),
+        )
     named_after_s = time.time() - float(marker.read_text())
     error = raised.value
     assert type(error) is WorkerGroupError and list(error.failures) == [1]
@@ -258,8 +291,17 @@ class Failures(Callback):
 @pytest.mark.timeout(150)
 def test_with_max_failures_a_hang_restarts_from_the_latest_checkpoint(storage_path: str, tmp_path: Path) -> None:
     failures = Failures()
-    result = fit(storage_path, 2, FailureConfig(max_failures=1, hang_timeout_s=2.0), callbacks=[failures], steps=20,
-                 checkpoint_at=9, stuck_rank=1, stuck_at=12, marker=str(tmp_path / "stuck_since"))
+    result = fit(
+        storage_path,
+        2,
+        FailureConfig(max_failures=1, hang_timeout_s=2.0),
+        callbacks=[failures],
+        steps=20,
+        checkpoint_at=9,
+        stuck_rank=1,
+        stuck_at=12,
+        marker=str(tmp_path / "stuck_since"),
+    )
     ((error, restarting),) = failures.errors
     assert restarting and isinstance(error, WorkerGroupError) and error.failures[1].error_type == "Hang"
     assert result.num_failures == 1 and result.metrics == {"step": 19, "done": True}
@@ -273,8 +315,15 @@ def test_a_pause_before_the_first_step_and_a_slow_first_step_are_no_hang(storage
     # first step), yet before it hang_first_step_timeout_s (15 s) holds: rank 0 pauses 3 s before
     # its first step while the other waits in its all-reduce, then every rank's first step takes
     # 3 s (30x the 0.1 s of the others)
-    result = fit(storage_path, 2, FailureConfig(hang_timeout_s=1.0, hang_step_multiple=3, hang_first_step_timeout_s=15),
-                 steps=12, pause_s=3.0, first_step_s=3.0, step_s=0.1)
+    result = fit(
+        storage_path,
+        2,
+        FailureConfig(hang_timeout_s=1.0, hang_step_multiple=3, hang_first_step_timeout_s=15),
+        steps=12,
+        pause_s=3.0,
+        first_step_s=3.0,
+        step_s=0.1,
+    )
     assert result.metrics == {"step": 11, "done": True}
 
 
@@ -284,6 +333,14 @@ def test_long_work_on_rank_0_while_the_others_wait_in_report_is_no_hang(storage_
     # its next progress reaches the driver up to 0.5 s later), validates for 4 s (forward passes:
     # progress), then its checkpoint upload takes 5 s (lockstep's own work: progress), while
     # the other rank waits in report()
-    result = fit(storage_path, 2, FailureConfig(hang_timeout_s=3.0), steps=10, long_work_at=4,
-                 save_s=1.5, validate_s=4.0, upload_s=5.0)
+    result = fit(
+        storage_path,
+        2,
+        FailureConfig(hang_timeout_s=3.0),
+        steps=10,
+        long_work_at=4,
+        save_s=1.5,
+        validate_s=4.0,
+        upload_s=5.0,
+    )
     assert result.metrics == {"step": 9, "done": True} and result.checkpoint is not None

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 SOURCE_ROOT = REPO_ROOT / "src"
@@ -130,15 +129,21 @@ def strongly_connected_components(graph: Graph) -> list[list[str]]:
             if work:
                 low[work[-1][0]] = min(low[work[-1][0]], low[node])
             if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                components.append(sorted(component))
+                components.append(pop_component(stack, on_stack, node))
     return components
+
+
+def pop_component(stack: list[str], on_stack: set[str], root: str) -> list[str]:
+    """Pop the modules down to ``root`` (the root of a component in Tarjan's algorithm) off the
+    stack: that component, sorted."""
+    component = []
+    while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.append(member)
+        if member == root:
+            break
+    return sorted(component)
 
 
 def one_cycle(graph: Graph, component: list[str]) -> list[str]:
@@ -177,8 +182,16 @@ def test_lockstep_has_no_import_cycles() -> None:
 
 
 def test_the_graph_sees_lazy_relative_from_type_checking_and_package_imports() -> None:
-    modules = {"lockstep", "lockstep.a", "lockstep.b", "lockstep.sub", "lockstep.sub.c", "lockstep.sub.d",
-               "lockstep.other", "lockstep.other.e"}
+    modules = {
+        "lockstep",
+        "lockstep.a",
+        "lockstep.b",
+        "lockstep.sub",
+        "lockstep.sub.c",
+        "lockstep.sub.d",
+        "lockstep.other",
+        "lockstep.other.e",
+    }
     source = (
         "from typing import TYPE_CHECKING\n"
         "import lockstep.a\n"
@@ -203,29 +216,47 @@ def test_every_group_of_modules_importing_each_other_is_reported() -> None:
 
 
 LIGHT_ENTRY_POINTS = ("lockstep", "lockstep._internal.rank.worker", "lockstep.context")
-DRIVER_STACK = ("lockstep._internal.run.driver", "lockstep._internal.run.controller", "lockstep.trainer",
-                "lockstep._internal.executors")
+DRIVER_STACK = (
+    "lockstep._internal.run.driver",
+    "lockstep._internal.run.controller",
+    "lockstep.trainer",
+    "lockstep._internal.executors",
+)
 
 
 @pytest.mark.parametrize("entry_point", LIGHT_ENTRY_POINTS)
 def test_the_light_entry_points_do_not_load_the_driver_stack(entry_point: str) -> None:
-    probe = (f"import sys, {entry_point}\n"
-             "import json; print(json.dumps(sorted(name for name in sys.modules if name.startswith('lockstep'))))")
-    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "LOCKSTEP_WARM_START": "0"}, check=True)
+    probe = (
+        f"import sys, {entry_point}\n"
+        "import json; print(json.dumps(sorted(name for name in sys.modules if name.startswith('lockstep'))))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LOCKSTEP_WARM_START": "0"},
+        check=True,
+    )
     loaded = json.loads(completed.stdout)
     assert not [name for name in loaded if name.startswith(DRIVER_STACK)], (
-        f"importing {entry_point} loads the driver stack: {loaded}")
+        f"importing {entry_point} loads the driver stack: {loaded}"
+    )
 
 
 OPTIONAL_SERVERS = ("starlette", "uvicorn", "prometheus_client")
 
 
 def loaded_modules(entry_point: str) -> list[str]:
-    probe = (f"import sys, {entry_point}\n"
-             "import json; print(json.dumps(sorted(sys.modules)))")
-    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "LOCKSTEP_WARM_START": "1"}, check=True)
+    probe = f"import sys, {entry_point}\nimport json; print(json.dumps(sorted(sys.modules)))"
+    completed = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LOCKSTEP_WARM_START": "1"},
+        check=True,
+    )
     return json.loads(completed.stdout)
 
 
@@ -233,13 +264,15 @@ def loaded_modules(entry_point: str) -> list[str]:
 def test_lockstep_and_its_driver_load_no_web_framework_nor_prometheus_client(entry_point: str) -> None:
     loaded = loaded_modules(entry_point)
     assert not [name for name in loaded if name.split(".")[0] in OPTIONAL_SERVERS], (
-        f"importing {entry_point} loads an optional server package")
+        f"importing {entry_point} loads an optional server package"
+    )
 
 
 def test_the_dashboard_loads_neither_the_driver_nor_the_warm_start_nor_torch() -> None:
     loaded = loaded_modules("lockstep.dashboard.app")
     assert not [name for name in loaded if name.startswith((*DRIVER_STACK, "lockstep._internal.warm", "torch"))], (
-        "the dashboard only reads storage")
+        "the dashboard only reads storage"
+    )
 
 
 # -- the shape of the public modules -----------------------------------------------------------
@@ -247,14 +280,22 @@ def test_the_dashboard_loads_neither_the_driver_nor_the_warm_start_nor_torch() -
 
 def public_modules() -> dict[str, Path]:
     """The modules a user may import: outside ``_internal`` and with no leading underscore."""
-    return {name: path for name, path in package_modules().items()
-            if "._internal" not in name and not any(part.startswith("_") for part in name.split("."))}
+    return {
+        name: path
+        for name, path in package_modules().items()
+        if "._internal" not in name and not any(part.startswith("_") for part in name.split("."))
+    }
 
 
 def test_every_public_module_says_what_it_exports() -> None:
-    missing = [name for name, path in public_modules().items()
-               if not any(isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
-                          for node in ast.parse(path.read_text(encoding="utf-8")).body)]
+    missing = [
+        name
+        for name, path in public_modules().items()
+        if not any(
+            isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
+            for node in ast.parse(path.read_text(encoding="utf-8")).body
+        )
+    ]
     assert not missing, f"public modules without __all__: {missing}"
 
 
@@ -278,6 +319,9 @@ MODULE_LINES_LIMIT = 360
 
 
 def test_no_module_grows_past_the_house_length() -> None:
-    long = {name: lines for name, path in package_modules().items()
-            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_LIMIT}
+    long = {
+        name: lines
+        for name, path in package_modules().items()
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_LIMIT
+    }
     assert not long, f"modules over {MODULE_LINES_LIMIT} lines (split them by role): {long}"

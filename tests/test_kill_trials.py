@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -24,8 +23,9 @@ TRIALS = 20
 @pytest.mark.timeout(420)
 def test_a_few_dozen_kills_leave_nothing_half_written(tmp_path: Path) -> None:
     results = tmp_path / "kills.jsonl"
-    args = kill_trials.parse_args(["--trials", str(TRIALS // 2), "--results", str(results), "--seed", "24",
-                                   "--work-dir", str(tmp_path)])
+    args = kill_trials.parse_args(
+        ["--trials", str(TRIALS // 2), "--results", str(results), "--seed", "24", "--work-dir", str(tmp_path)]
+    )
     kill_trials.run_trials(args)
     args.trials = TRIALS  # the harness is resumable: the second call adds the missing trials
     trials = kill_trials.run_trials(args)

@@ -10,21 +10,21 @@ from multiprocessing import AuthenticationError
 from pathlib import Path
 
 import pytest
+from test_channel_trust import pump
+from test_scripts import SCRIPTS, torchrun
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep._internal.wire import channel, codec, protocol
 from lockstep._internal.executors import choose_executor
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.external import ExternalExecutor
 from lockstep._internal.executors.local import LocalExecutor
-from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.persist.storage import CheckpointEntry
+from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS, RankEnv
 from lockstep._internal.rank.step_timing import StepTimes
+from lockstep._internal.wire import channel, codec, protocol
 from lockstep.errors import WorkerFailure
 from lockstep.torch import TorchTrainer
-from test_channel_trust import pump
-from test_scripts import SCRIPTS, torchrun
 
 LAUNCHER_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
@@ -58,12 +58,25 @@ def test_ray_datasets_with_the_local_executor_are_refused() -> None:
 
 
 def test_rank_env_round_trips_through_the_environment() -> None:
-    rank = RankEnv(3, 4, 1, 2, 1, "10.0.0.1", 1234, threads=2, visible_gpus=("0", "1"), gpu_ids=("1",),
-                   store_is_hosted=False, store_prefix="p/")
+    rank = RankEnv(
+        3,
+        4,
+        1,
+        2,
+        1,
+        "10.0.0.1",
+        1234,
+        threads=2,
+        visible_gpus=("0", "1"),
+        gpu_ids=("1",),
+        store_is_hosted=False,
+        store_prefix="p/",
+    )
     variables = rank.variables()
     assert variables["CUDA_VISIBLE_DEVICES"] == "0,1" and variables["GROUP_RANK"] == "1"
-    assert RankEnv.from_environ(variables) == RankEnv(3, 4, 1, 2, 1, "10.0.0.1", 1234, threads=2, gpu_ids=("1",),
-                                                       store_is_hosted=False, store_prefix="p/")
+    assert RankEnv.from_environ(variables) == RankEnv(
+        3, 4, 1, 2, 1, "10.0.0.1", 1234, threads=2, gpu_ids=("1",), store_is_hosted=False, store_prefix="p/"
+    )
 
 
 # -- under torchrun ------------------------------------------------------------------------------
@@ -74,7 +87,7 @@ def test_under_torchrun_each_rank_runs_the_function_its_own_process_built(tmp_pa
     completed = torchrun("--max-restarts=0", str(SCRIPTS / "torchrun_own_globals.py"), str(tmp_path))
     assert completed.returncode == 0, completed.stdout + completed.stderr
     (line,) = [line for line in completed.stdout.splitlines() if line.startswith("SEEN ")]
-    seen = json.loads(line[len("SEEN "):])
+    seen = json.loads(line[len("SEEN ") :])
     assert [entry["rank"] for entry in seen] == [0, 1]
     for entry in seen:
         assert entry["module_local_rank"] == entry["rank"] and entry["config_rank"] == entry["rank"]
@@ -157,8 +170,11 @@ def rogue_train_func() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_driver_refuses_connections_without_the_secret_and_the_run_goes_on(storage_path: str) -> None:
-    result = TorchTrainer(rogue_train_func, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=storage_path, verbose=0)).fit()
+    result = TorchTrainer(
+        rogue_train_func,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, verbose=0),
+    ).fit()
     assert result.metrics["outcomes"] == ["refused", "refused"]
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from validation_fns import validate_lightning_checkpoint
 
 import lockstep
 from lockstep import CheckpointConfig, RunConfig, ScalingConfig, ValidationConfig, ValidationTaskConfig
@@ -34,7 +35,6 @@ from lockstep.lightning import (
 )
 from lockstep.lightning._package import LIGHTNING, PYTORCH_LIGHTNING, choose_package
 from lockstep.torch import TorchTrainer
-from validation_fns import validate_lightning_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER_MODULES = {LIGHTNING: "lightning.pytorch", PYTORCH_LIGHTNING: "pytorch_lightning"}
@@ -142,7 +142,9 @@ def test_ray_getting_started_shape(package: str, storage_path: str, tmp_path: Pa
         train_loop_config={"package": package, "root": str(tmp_path / "lightning_root"), "validation": validates},
         validation_config=ValidationConfig(
             validate_lightning_checkpoint, ValidationTaskConfig({"name": RayTrainReportCallback.CHECKPOINT_NAME})
-        ) if validates else None,
+        )
+        if validates
+        else None,
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(
             name="lit",
@@ -170,7 +172,7 @@ def _check_ddp_ran_on_two_ranks(ranks: list[dict[str, Any]], package: str) -> No
     # each rank trained on its own part of the data (a distributed sampler per lockstep worker) ...
     assert ranks[0]["first_batch_sums"] != ranks[1]["first_batch_sums"]
     # ... and DDP averaged the gradients, so the models are still the same
-    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"]):
+    for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(mine, theirs)
 
 
@@ -206,7 +208,7 @@ def _check_reload(result: lockstep.Result, package: str, final_params: list[torc
     with result.checkpoint.as_directory() as folder:
         model = lit_model.load_from_checkpoint(os.path.join(folder, RayTrainReportCallback.CHECKPOINT_NAME))
     assert model.hparams.hidden == 16
-    for loaded, trained in zip(model.parameters(), final_params):
+    for loaded, trained in zip(model.parameters(), final_params, strict=True):
         assert torch.equal(loaded.detach(), trained)
 
 
@@ -299,10 +301,25 @@ def test_prepare_trainer_refuses_a_trainer_not_set_up_for_lockstep() -> None:
 @pytest.mark.timeout(240)
 def test_example_on_a_subset(tmp_path: Path, data_dir: Path) -> None:
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "examples" / "lightning_fashion_mnist.py"), "--smoke-test", "--epochs", "2",
-         "--num-workers", "2", "--data-dir", str(data_dir), "--storage-path", str(tmp_path / "results"),
-         "--name", "example"],
-        capture_output=True, text=True, timeout=230, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            str(REPO_ROOT / "examples" / "lightning_fashion_mnist.py"),
+            "--smoke-test",
+            "--epochs",
+            "2",
+            "--num-workers",
+            "2",
+            "--data-dir",
+            str(data_dir),
+            "--storage-path",
+            str(tmp_path / "results"),
+            "--name",
+            "example",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        cwd=REPO_ROOT,
     )
     assert completed.returncode == 0, f"{completed.stdout}\n{completed.stderr}"
     assert "Last result: {" in completed.stdout and "'epoch': 1" in completed.stdout

@@ -30,8 +30,12 @@ LOCAL_MODE = ScalingConfig(num_workers=0)
 
 
 def _trainer(train_fn, storage_path: str, name: str, **kwargs) -> TorchTrainer:
-    return TorchTrainer(train_fn, scaling_config=LOCAL_MODE, run_config=RunConfig(
-        name=name, storage_path=storage_path, failure_config=kwargs.pop("failure_config", None)), **kwargs)
+    return TorchTrainer(
+        train_fn,
+        scaling_config=LOCAL_MODE,
+        run_config=RunConfig(name=name, storage_path=storage_path, failure_config=kwargs.pop("failure_config", None)),
+        **kwargs,
+    )
 
 
 def test_num_workers_0_chooses_the_local_mode_executor() -> None:
@@ -52,8 +56,13 @@ def identity(config: dict) -> dict:
     return {
         "pid": os.getpid(),
         "thread": threading.current_thread() is threading.main_thread(),
-        "context": [context.get_world_rank(), context.get_world_size(), context.get_local_rank(),
-                    context.get_local_world_size(), context.get_node_rank()],
+        "context": [
+            context.get_world_rank(),
+            context.get_world_size(),
+            context.get_local_rank(),
+            context.get_local_world_size(),
+            context.get_node_rank(),
+        ],
         "session": [lockstep.session.get_world_rank(), lockstep.session.get_world_size()],
         "name": context.get_experiment_name(),
         "run_path": context.get_storage().run_path,
@@ -98,8 +107,10 @@ def report_with_checkpoints(config: dict) -> str:
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, "step.txt").write_text(str(step))
             with_checkpoint = step % 2 == 0
-            lockstep.report({"step": step, "loss": torch.tensor(1.0 / (step + 1))},
-                            checkpoint=Checkpoint.from_directory(folder) if with_checkpoint else None)
+            lockstep.report(
+                {"step": step, "loss": torch.tensor(1.0 / (step + 1))},
+                checkpoint=Checkpoint.from_directory(folder) if with_checkpoint else None,
+            )
         if step == config.get("fail_at"):
             raise ValueError(f"boom at step {step}")
     return "done"
@@ -124,8 +135,13 @@ def test_reports_checkpoints_and_result(storage_path: str) -> None:
 
 def test_a_failure_raises_with_the_traceback_and_a_rerun_resumes_from_the_checkpoint(storage_path: str) -> None:
     config = {"steps": 5, "fail_at": 3}
-    trainer = _trainer(report_with_checkpoints, storage_path, "resume", train_loop_config=config,
-                       failure_config=FailureConfig(max_failures=3))
+    trainer = _trainer(
+        report_with_checkpoints,
+        storage_path,
+        "resume",
+        train_loop_config=config,
+        failure_config=FailureConfig(max_failures=3),
+    )
     with pytest.raises(TrainingFailedError) as caught:
         trainer.fit()
     message = str(caught.value)
@@ -150,7 +166,8 @@ def test_ctrl_c_in_the_train_function_reaches_the_caller(storage_path: str) -> N
     result = lockstep.Result.from_path(str(Path(storage_path) / "interrupted"))
     assert result.metrics == {"step": 0} and result.error is not None
     assert threading.active_count() == 1 or all(
-        not thread.name.startswith("lockstep") for thread in threading.enumerate())
+        not thread.name.startswith("lockstep") for thread in threading.enumerate()
+    )
 
 
 # -- prepare_model / prepare_data_loader without a process group ------------------------------------
@@ -190,7 +207,7 @@ def test_a_torch_dataset_is_the_only_ranks_whole_shard(storage_path: str) -> Non
 
 # -- a debugger, and torchrun -----------------------------------------------------------------------
 
-DEBUGGED_SCRIPT = '''
+DEBUGGED_SCRIPT = """
 import os, sys
 import lockstep
 from lockstep import RunConfig, ScalingConfig
@@ -205,22 +222,28 @@ print("DRIVER", os.getpid(), flush=True)
 result = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
                       run_config=RunConfig(name="debugged", storage_path=sys.argv[1], verbose=0)).fit()
 print("METRICS", result.metrics, flush=True)
-'''
+"""
 
 
 def test_a_breakpoint_in_the_train_function_stops_the_driver_in_pdb(tmp_path: Path) -> None:
     script = tmp_path / "debugged.py"
     script.write_text(DEBUGGED_SCRIPT)
     commands = "p ('SEEN', os.getpid(), lockstep.get_context().get_world_size(), step)\n!step = 99\nc\n"
-    completed = subprocess.run([sys.executable, str(script), str(tmp_path / "results")], input=commands,
-                               capture_output=True, text=True, timeout=50, env={**os.environ, "PYTHONBREAKPOINT": ""})
+    completed = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "results")],
+        input=commands,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONBREAKPOINT": ""},
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     driver_pid = int(completed.stdout.split("DRIVER ", 1)[1].split()[0])
     assert f"('SEEN', {driver_pid}, 1, 41)" in completed.stdout
     assert "METRICS {'step': 100}" in completed.stdout  # the value set in pdb reached report()
 
 
-TORCHRUN_SCRIPT = '''
+TORCHRUN_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
 import lockstep
@@ -238,15 +261,27 @@ result = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
 # one write of the whole line: both ranks share torchrun's stdout, and print() writes its pieces apart
 sys.stdout.write(f"RESULT {os.environ['RANK']} {os.getpid()} {json.dumps(result.metrics['ranks'])}\\n")
 sys.stdout.flush()
-'''
+"""
 
 
 @pytest.mark.timeout(150)
 def test_under_torchrun_num_workers_0_makes_each_process_a_rank(tmp_path: Path) -> None:
     script = tmp_path / "torchrun_local_mode.py"
     script.write_text(TORCHRUN_SCRIPT)
-    completed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0",
-                                str(script), str(tmp_path / "results")], capture_output=True, text=True, timeout=140)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--max-restarts=0",
+            str(script),
+            str(tmp_path / "results"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     results = sorted(line.split(" ", 3)[1:] for line in completed.stdout.splitlines() if line.startswith("RESULT "))
     assert [rank for rank, _, _ in results] == ["0", "1"], completed.stdout
@@ -298,13 +333,16 @@ def device_seen() -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_with_use_gpu_the_device_is_the_current_gpu(storage_path: str) -> None:
-    result = TorchTrainer(device_seen, scaling_config=ScalingConfig(num_workers=0, use_gpu=True),
-                          run_config=RunConfig(name="gpu", storage_path=storage_path)).fit()
+    result = TorchTrainer(
+        device_seen,
+        scaling_config=ScalingConfig(num_workers=0, use_gpu=True),
+        run_config=RunConfig(name="gpu", storage_path=storage_path),
+    ).fit()
     expected = f"cuda:{torch.cuda.current_device()}"
     assert result.return_value == [expected, expected]
 
 
-INTERRUPTED_SCRIPT = '''
+INTERRUPTED_SCRIPT = """
 import sys, time
 import lockstep
 from lockstep import RunConfig, ScalingConfig
@@ -318,7 +356,7 @@ def train_func():
 
 TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=0),
              run_config=RunConfig(name="sigint", storage_path=sys.argv[1], verbose=0)).fit()
-'''
+"""
 
 
 def test_sigint_interrupts_the_train_function_and_fit_raises_keyboard_interrupt(tmp_path: Path) -> None:
@@ -326,8 +364,13 @@ def test_sigint_interrupts_the_train_function_and_fit_raises_keyboard_interrupt(
 
     script = tmp_path / "sigint.py"
     script.write_text(INTERRUPTED_SCRIPT)
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, preexec_fn=sigint_raises)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "results")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_raises,
+    )
     try:
         assert process.stdout.readline().strip() == "READY"
         process.send_signal(signal.SIGINT)
@@ -340,7 +383,7 @@ def test_sigint_interrupts_the_train_function_and_fit_raises_keyboard_interrupt(
     assert record["status"] == "failed"
 
 
-PREEMPTED_SCRIPT = '''
+PREEMPTED_SCRIPT = """
 import pathlib, sys, tempfile, time
 import lockstep
 from lockstep import Checkpoint, RunConfig, ScalingConfig
@@ -359,14 +402,18 @@ try:
                  run_config=RunConfig(name="preempted", storage_path=sys.argv[1], verbose=0)).fit()
 except lockstep.PreemptionError as error:
     print("PREEMPTED", error.preemption_info.preempted_ranks if error.preemption_info else None, flush=True)
-'''
+"""
 
 
 def test_sigterm_is_a_preemption_notice_in_local_mode_too(tmp_path: Path) -> None:
     script = tmp_path / "preempted.py"
     script.write_text(PREEMPTED_SCRIPT)
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "results")], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "results")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert process.stdout.readline().strip() == "REPORTED"
         process.send_signal(signal.SIGTERM)

@@ -57,8 +57,18 @@ def test_32_real_ranks_run_a_ddp_job_to_the_end(storage_path: str, capfd: pytest
 
 @pytest.mark.timeout(300)
 def test_the_real_driver_carries_256_scripted_ranks(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "benchmarks" / "scale_bench.py"), "--one", "256", "--reports", "10",
-               "--output-s", "2", "--ranks-per-process", "64"]
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "scale_bench.py"),
+        "--one",
+        "256",
+        "--reports",
+        "10",
+        "--output-s",
+        "2",
+        "--ranks-per-process",
+        "64",
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("FIGURES ")]
     assert completed.returncode == 0 and lines, completed.stderr[-3000:]
@@ -70,10 +80,12 @@ def test_the_real_driver_carries_256_scripted_ranks(tmp_path: Path) -> None:
 
 
 def test_failures_of_many_ranks_fold_into_a_few_paragraphs() -> None:
-    failures = [WorkerFailure(rank, "WorkerDied", f"rank {rank} lost: its host 10.0.0.2 has not answered", "")
-                for rank in range(1, 64)]
+    failures = [
+        WorkerFailure(rank, "WorkerDied", f"rank {rank} lost: its host 10.0.0.2 has not answered", "")
+        for rank in range(1, 64)
+    ]
     failures.append(WorkerFailure(0, "ValueError", "bad batch", "Traceback ...\nValueError: bad batch"))
-    stacks = {rank: "  File \"train.py\", line 9, in step\n    loss.backward()" for rank in range(64, 70)}
+    stacks = {rank: '  File "train.py", line 9, in step\n    loss.backward()' for rank in range(64, 70)}
     message = str(WorkerGroupError.from_failures(failures, " (report #3 was next)", stacks))
     assert message.startswith("Training failed on ranks 0-63 (report #3 was next).")
     assert "rank 0: ValueError: bad batch" in message

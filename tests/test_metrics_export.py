@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dashboard_runs import open_gate, start_gated_run, stop_gated_run, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 import lockstep
@@ -26,8 +27,6 @@ from lockstep._internal.persist.retry_counts import count_retry
 from lockstep._internal.rank.step_timing import StepTimes
 from lockstep._internal.wire import protocol
 from lockstep.torch import TorchTrainer
-
-from dashboard_runs import open_gate, start_gated_run, stop_gated_run, wait_for
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -58,16 +57,23 @@ def record_of(storage: str, name: str) -> dict[str, Any] | None:
 @pytest.mark.timeout(150)
 def test_a_running_driver_serves_its_metrics_and_keeps_them_a_moment_after_the_end(tmp_path: Path) -> None:
     storage, gates = str(tmp_path / "results"), tmp_path / "gates"
-    driver = start_gated_run(storage, "scraped", gates, workers=2,
-                             env={"LOCKSTEP_METRICS_PORT": "0", "LOCKSTEP_METRICS_HOST": "127.0.0.1",
-                                  "LOCKSTEP_METRICS_LINGER_S": "2"})
+    driver = start_gated_run(
+        storage,
+        "scraped",
+        gates,
+        workers=2,
+        env={"LOCKSTEP_METRICS_PORT": "0", "LOCKSTEP_METRICS_HOST": "127.0.0.1", "LOCKSTEP_METRICS_LINGER_S": "2"},
+    )
     try:
         url = wait_for(lambda: (record_of(storage, "scraped") or {}).get("metrics_url"), 90, "the record's metrics_url")
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
         for gate in ("0", "1", "2", "3"):
             open_gate(gates, gate)
-        running = wait_for(lambda: (lambda s: s if value(s, "lockstep_reports_total", run="scraped") == 4 else None)(
-            scrape(url)), 60, "four reports in the metrics")
+        running = wait_for(
+            lambda: (lambda s: s if value(s, "lockstep_reports_total", run="scraped") == 4 else None)(scrape(url)),
+            60,
+            "four reports in the metrics",
+        )
         assert value(running, "lockstep_run_state", run="scraped", state="running") == 1
         assert value(running, "lockstep_run_state", run="scraped", state="finished") == 0
         assert value(running, "lockstep_world_size", run="scraped") == 2
@@ -82,13 +88,24 @@ def test_a_running_driver_serves_its_metrics_and_keeps_them_a_moment_after_the_e
         assert value(running, "lockstep_report_round_trip_seconds_count", run="scraped") == 3  # the first has no wait
         assert value(running, "lockstep_restarts_total", run="scraped") == 0
         assert all(name.startswith("lockstep_") for name in running)
-        assert {"lockstep_run_start_time_seconds", "lockstep_last_report_time_seconds", "lockstep_checkpoints_total",
-                "lockstep_checkpoint_upload_seconds_count", "lockstep_rank_time_seconds_total",
-                "lockstep_failures_total", "lockstep_preemption_notices_total"} <= set(running)
+        assert {
+            "lockstep_run_start_time_seconds",
+            "lockstep_last_report_time_seconds",
+            "lockstep_checkpoints_total",
+            "lockstep_checkpoint_upload_seconds_count",
+            "lockstep_rank_time_seconds_total",
+            "lockstep_failures_total",
+            "lockstep_preemption_notices_total",
+        } <= set(running)
 
         open_gate(gates, "finish")
-        ended = wait_for(lambda: (lambda s: s if value(s, "lockstep_run_state", run="scraped", state="finished") == 1
-                                  else None)(scrape(url)), 60, "the finished state in the metrics")
+        ended = wait_for(
+            lambda: (lambda s: s if value(s, "lockstep_run_state", run="scraped", state="finished") == 1 else None)(
+                scrape(url)
+            ),
+            60,
+            "the finished state in the metrics",
+        )
         assert value(ended, "lockstep_reports_total", run="scraped") == 4
         assert "metrics of run scraped: http://127.0.0.1:" in stop_gated_run(driver, gates)
         assert driver.returncode == 0
@@ -107,29 +124,46 @@ def wait_at_gate(config: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_fits_in_one_driver_share_one_port_and_tell_their_runs_apart(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fits_in_one_driver_share_one_port_and_tell_their_runs_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(metrics_export.METRICS_HOST_ENV, "127.0.0.1")
     monkeypatch.setenv(metrics_export.METRICS_LINGER_ENV, "0.5")
     storage, gate = str(tmp_path / "results"), tmp_path / "gate"
     results: dict[str, Any] = {}
 
     def fit(name: str) -> None:
-        trainer = TorchTrainer(wait_at_gate, train_loop_config={"gate": str(gate)},
-                               scaling_config=ScalingConfig(num_workers=1),
-                               run_config=RunConfig(name=name, storage_path=storage, metrics_port=0, verbose=0))
+        trainer = TorchTrainer(
+            wait_at_gate,
+            train_loop_config={"gate": str(gate)},
+            scaling_config=ScalingConfig(num_workers=1),
+            run_config=RunConfig(name=name, storage_path=storage, metrics_port=0, verbose=0),
+        )
         results[name] = trainer.fit()
 
     threads = [threading.Thread(target=fit, args=(name,)) for name in ("trial-a", "trial-b")]
     for thread in threads:
         thread.start()
     try:
-        urls = wait_for(lambda: (lambda found: found if all(found) else None)(
-            [(record_of(storage, name) or {}).get("metrics_url") for name in ("trial-a", "trial-b")]), 90, "two URLs")
+        urls = wait_for(
+            lambda: (lambda found: found if all(found) else None)(
+                [(record_of(storage, name) or {}).get("metrics_url") for name in ("trial-a", "trial-b")]
+            ),
+            90,
+            "two URLs",
+        )
         assert urls[0] == urls[1], "two fits of one process got two servers"
-        both = wait_for(lambda: (lambda s: s if all(value(s, "lockstep_reports_total", run=name) == 1
-                                                     for name in ("trial-a", "trial-b")) else None)(scrape(urls[0])),
-                        60, "both runs' first report")
+        both = wait_for(
+            lambda: (
+                lambda s: (
+                    s
+                    if all(value(s, "lockstep_reports_total", run=name) == 1 for name in ("trial-a", "trial-b"))
+                    else None
+                )
+            )(scrape(urls[0])),
+            60,
+            "both runs' first report",
+        )
         assert value(both, "lockstep_run_state", run="trial-a", state="running") == 1
     finally:
         gate.touch()
@@ -159,8 +193,9 @@ def test_per_rank_figures_round_trips_uploads_and_the_slow_rank_come_from_the_ra
     run.attempt_started(world_size=2, restart=False)
     for index in range(4):
         if index == 1:
-            run.observe([protocol.WritingCheckpoint(0, "checkpoint_000001"),
-                         protocol.WritingCheckpoint(1, "checkpoint_000001")])
+            run.observe(
+                [protocol.WritingCheckpoint(0, "checkpoint_000001"), protocol.WritingCheckpoint(1, "checkpoint_000001")]
+            )
         slow = times(0.2, 0.12, 0.0, 0.002 if index else 0.0)
         waiting = times(0.2, 0.01, 0.11, 0.004 if index else 0.0)
         dir_name = "checkpoint_000001" if index == 1 else None
@@ -208,8 +243,9 @@ def test_a_metrics_port_from_the_environment_is_checked_and_unset_means_off(monk
         metrics_export.metrics_port(RunConfig())
 
 
-def test_a_port_another_process_holds_leaves_the_run_without_metrics(caplog: pytest.LogCaptureFixture,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_port_another_process_holds_leaves_the_run_without_metrics(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(metrics_export.METRICS_HOST_ENV, "127.0.0.1")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

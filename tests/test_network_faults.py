@@ -82,12 +82,19 @@ def test_connections_that_fall_silent_together_probe_at_different_moments() -> N
         try:
             for client in clients:
                 watch_link(client, sends_little=True)
-            timings = [tuple(client.getsockopt(socket.IPPROTO_TCP, option) for option in
-                             (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)) for client in clients]
+            timings = [
+                tuple(
+                    client.getsockopt(socket.IPPROTO_TCP, option)
+                    for option in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+                )
+                for client in clients
+            ]
             assert len({idle for idle, _, _ in timings}) >= 4, timings
             assert all(abs(idle + interval * probes - LINK_TIMEOUT_S) <= 3 for idle, interval, probes in timings)
-            assert all(client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == LINK_TIMEOUT_S * 1000
-                       for client in clients)
+            assert all(
+                client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == LINK_TIMEOUT_S * 1000
+                for client in clients
+            )
         finally:
             for client in clients:
                 client.close()
@@ -137,7 +144,9 @@ def wait_for_step(run_path: Path, step: int, processes: list[subprocess.Popen[by
         ended = [process.args for process in processes if process.poll() is not None]
         if ended or time.monotonic() > deadline:
             outputs = "\n---\n".join(finish(process, 1)[1][-3000:] for process in processes)
-            pytest.fail(f"the run did not reach step {step} ({'ended: ' + str(ended) if ended else 'timed out'}):\n{outputs}")
+            pytest.fail(
+                f"the run did not reach step {step} ({'ended: ' + str(ended) if ended else 'timed out'}):\n{outputs}"
+            )
         time.sleep(0.2)
 
 
@@ -182,7 +191,8 @@ def ray_job(cluster: RayCluster, storage: Path, *options: str) -> subprocess.Pop
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 2 * FAULT_BOUND_S)
 def test_ray_run_whose_host_b_is_cut_off_fails_naming_it_and_continues_once_it_is_back(
-        two_hosts: HostNetwork, ray_cluster: RayCluster, tmp_path: Path) -> None:
+    two_hosts: HostNetwork, ray_cluster: RayCluster, tmp_path: Path
+) -> None:
     host_b = ray_cluster.workers[0]
     driver = ray_job(ray_cluster, tmp_path, "--steps", "1000")
     wait_for_step(tmp_path / "faults", 2, [driver])
@@ -222,10 +232,27 @@ def test_ray_run_whose_host_b_dies_goes_on_with_what_remains(ray_cluster: RayClu
 def torchruns(network: HostNetwork, storage: Path, steps: int) -> list[subprocess.Popen[bytes]]:
     host_a = network.hosts[0]
     port = free_port(host_a)
-    return [start(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                         f"--node_rank={node_rank}", f"--master_addr={host_a.address}", f"--master_port={port}",
-                         "--max-restarts=0", SCRIPT, str(storage), "--steps", str(steps)])
-            for node_rank, host in enumerate(network.hosts)]
+    return [
+        start(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node_rank}",
+                f"--master_addr={host_a.address}",
+                f"--master_port={port}",
+                "--max-restarts=0",
+                SCRIPT,
+                str(storage),
+                "--steps",
+                str(steps),
+            ],
+        )
+        for node_rank, host in enumerate(network.hosts)
+    ]
 
 
 def rerun_continues(network: HostNetwork, storage: Path) -> None:
@@ -238,8 +265,9 @@ def rerun_continues(network: HostNetwork, storage: Path) -> None:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 2 * FAULT_BOUND_S)
-def test_torchrun_ranks_end_when_host_b_is_cut_off_and_the_rerun_continues(two_hosts: HostNetwork,
-                                                                           tmp_path: Path) -> None:
+def test_torchrun_ranks_end_when_host_b_is_cut_off_and_the_rerun_continues(
+    two_hosts: HostNetwork, tmp_path: Path
+) -> None:
     host_a, host_b = two_hosts.hosts
     processes = torchruns(two_hosts, tmp_path, 1000)
     try:
@@ -261,8 +289,7 @@ def test_torchrun_ranks_end_when_host_b_is_cut_off_and_the_rerun_continues(two_h
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + FAULT_BOUND_S)
-def test_torchrun_rank_0_fails_when_host_b_dies_and_the_rerun_continues(two_hosts: HostNetwork,
-                                                                        tmp_path: Path) -> None:
+def test_torchrun_rank_0_fails_when_host_b_dies_and_the_rerun_continues(two_hosts: HostNetwork, tmp_path: Path) -> None:
     host_b = two_hosts.hosts[1]
     processes = torchruns(two_hosts, tmp_path, 1000)
     try:

@@ -3,6 +3,7 @@ torchrun groups, signals sent by the test (see lockstep._internal.run.preemption
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, tagged_processes_after
 from test_scripts import SCRIPTS, free_port
 
@@ -28,10 +28,26 @@ class Job:
         self.run = tmp_path / "results" / "preemptible"
         self.pids = tmp_path / "pids"
         self.pids.mkdir(exist_ok=True)
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=static",
-                    f"--master_port={free_port()}", "--max-restarts=0"] if torchrun else [sys.executable]
-        self.process = subprocess.Popen([*launcher, script, str(tmp_path / "results"), str(self.pids), *args],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        launcher = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                "--rdzv_backend=static",
+                f"--master_port={free_port()}",
+                "--max-restarts=0",
+            ]
+            if torchrun
+            else [sys.executable]
+        )
+        self.process = subprocess.Popen(
+            [*launcher, script, str(tmp_path / "results"), str(self.pids), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
 
     def reports(self) -> list[dict]:
         path = self.run / "reports.jsonl"
@@ -138,10 +154,8 @@ def test_when_the_grace_runs_out_the_run_stops_preempted(tmp_path: Path) -> None
     try:
         code, results = job.finish()
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(job.rank_pid(1), signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     assert 1.5 < time.monotonic() - sent_at < 8
     assert results["driver"]["error"] == "PreemptionError" and results["driver"]["drain_timed_out"] is True, job.stderr
     assert "preemption_grace_s=2 ran out" in results["driver"]["message"]
@@ -204,11 +218,19 @@ def test_lockstep_runs_shows_a_killed_drivers_run_as_lost(tmp_path: Path) -> Non
     assert_nothing_left()
     assert job.record()["status"] == "running"  # nothing could mark it: SIGKILL
     assert job.record()["driver"]["pid"] == job.process.pid
-    listing = subprocess.run([sys.executable, "-m", "lockstep.cli", "runs", str(tmp_path / "results"), "--json"],
-                             capture_output=True, text=True, check=True)
+    listing = subprocess.run(
+        [sys.executable, "-m", "lockstep.cli", "runs", str(tmp_path / "results"), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(listing.stdout)["status"] == "lost"
-    table = subprocess.run([sys.executable, "-m", "lockstep.cli", "runs", str(tmp_path / "results")],
-                           capture_output=True, text=True, check=True).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "lockstep.cli", "runs", str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "preemptible  lost" in table
 
 

@@ -49,7 +49,8 @@ def ddp_train() -> list[torch.Tensor]:
 
 def test_two_ddp_workers_match_one_process_with_double_batch(storage_path: str) -> None:
     result = TorchTrainer(
-        ddp_train, scaling_config=ScalingConfig(num_workers=2),
+        ddp_train,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="ddp", storage_path=storage_path),
     ).fit()
     reference = _fresh_model()
@@ -76,8 +77,16 @@ def _collate_doubled(items: list[int]) -> torch.Tensor:
 def inspect_loaders() -> dict:
     dataset = list(range(20))
     rank = lockstep.get_context().get_world_rank()
-    shuffled = prepare_data_loader(DataLoader(dataset, batch_size=3, shuffle=True, drop_last=True,
-                                              collate_fn=_collate_doubled, worker_init_fn=_seed_worker))
+    shuffled = prepare_data_loader(
+        DataLoader(
+            dataset,
+            batch_size=3,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=_collate_doubled,
+            worker_init_fn=_seed_worker,
+        )
+    )
     epochs = []
     for epoch in range(2):
         shuffled.sampler.set_epoch(epoch)
@@ -91,8 +100,12 @@ def inspect_loaders() -> dict:
         "epochs": epochs,
         "sampler": isinstance(shuffled.sampler, DistributedSampler),
         "shuffle": shuffled.sampler.shuffle,
-        "settings": [shuffled.batch_size, shuffled.drop_last, shuffled.collate_fn is _collate_doubled,
-                     shuffled.worker_init_fn is _seed_worker],
+        "settings": [
+            shuffled.batch_size,
+            shuffled.drop_last,
+            shuffled.collate_fn is _collate_doubled,
+            shuffled.worker_init_fn is _seed_worker,
+        ],
         "ordered": [int(item) for batch in ordered for item in batch],
         "ordered_shuffle": ordered.sampler.shuffle,
         "kept_sampler": kept.sampler is own_sampler,
@@ -108,7 +121,8 @@ def inspect_loaders() -> dict:
 
 def test_prepare_data_loader_shards_and_keeps_settings(storage_path: str) -> None:
     result = TorchTrainer(
-        inspect_loaders, scaling_config=ScalingConfig(num_workers=2),
+        inspect_loaders,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="loaders", storage_path=storage_path),
     ).fit()
     first, second = result.return_value["ranks"]

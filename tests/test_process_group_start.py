@@ -33,9 +33,12 @@ def never_reached() -> None:
 def test_a_rank_that_never_joins_fails_the_run_within_the_start_timeout(storage_path: str) -> None:
     started = time.monotonic()
     with pytest.raises(TrainingFailedError) as caught:
-        TorchTrainer(never_reached, scaling_config=ScalingConfig(num_workers=2),
-                     torch_config=RankOneNeverJoins(start_timeout_s=3),
-                     run_config=RunConfig(storage_path=storage_path, verbose=0)).fit()
+        TorchTrainer(
+            never_reached,
+            scaling_config=ScalingConfig(num_workers=2),
+            torch_config=RankOneNeverJoins(start_timeout_s=3),
+            run_config=RunConfig(storage_path=storage_path, verbose=0),
+        ).fit()
     assert time.monotonic() - started < 60, "the start timeout did not bound the wait"
     message = str(caught.value)
     assert "rank 0 of 2 could not join the process group within 3 s" in message
@@ -53,9 +56,12 @@ def slow_rank_zero_then_all_reduce() -> None:
 
 @pytest.mark.timeout(90)
 def test_after_the_start_collectives_wait_by_timeout_s(storage_path: str) -> None:
-    result = TorchTrainer(slow_rank_zero_then_all_reduce, scaling_config=ScalingConfig(num_workers=2),
-                          torch_config=TorchConfig(start_timeout_s=1, timeout_s=120),
-                          run_config=RunConfig(storage_path=storage_path, verbose=0)).fit()
+    result = TorchTrainer(
+        slow_rank_zero_then_all_reduce,
+        scaling_config=ScalingConfig(num_workers=2),
+        torch_config=TorchConfig(start_timeout_s=1, timeout_s=120),
+        run_config=RunConfig(storage_path=storage_path, verbose=0),
+    ).fit()
     assert result.metrics["sum"] == 2.0
 
 

@@ -41,8 +41,12 @@ def two_rank_checkpoints(config: dict) -> None:
 def fit(storage_path: str, filesystem: object, name: str, steps: int = 2) -> Result:
     """A 2-worker run with ``filesystem`` as RunConfig.storage_filesystem."""
     run_config = RunConfig(name=name, storage_path=storage_path, storage_filesystem=filesystem)
-    return TorchTrainer(two_rank_checkpoints, train_loop_config={"steps": steps},
-                        scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+    return TorchTrainer(
+        two_rank_checkpoints,
+        train_loop_config={"steps": steps},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=run_config,
+    ).fit()
 
 
 def assert_checkpoint_holds(checkpoint: Checkpoint, step: int) -> None:
@@ -56,8 +60,11 @@ def assert_checkpoint_holds(checkpoint: Checkpoint, step: int) -> None:
 def pyarrow_s3(env: dict[str, str]) -> object:
     """A pyarrow S3FileSystem for the moto server, the way Ray's docs reach an S3-compatible endpoint."""
     return pafs.S3FileSystem(
-        endpoint_override=env["AWS_ENDPOINT_URL"].split("://", 1)[1], scheme="http",
-        access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"], region=env["AWS_DEFAULT_REGION"],
+        endpoint_override=env["AWS_ENDPOINT_URL"].split("://", 1)[1],
+        scheme="http",
+        access_key=env["AWS_ACCESS_KEY_ID"],
+        secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        region=env["AWS_DEFAULT_REGION"],
     )
 
 

@@ -16,22 +16,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import lockstep
-from lockstep import (
-    Checkpoint, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, ValidationConfig, ValidationTaskConfig,
-)
-from lockstep._internal.run.worker_group import GroupSpec
-from lockstep._internal.executors.ray import assign_ranks, rank_env
-from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
-from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle
-from lockstep._internal.ray_compat.ray_actor import WorkerPlace
-from lockstep.torch import TorchTrainer
+from conftest import REPO_ROOT, running_after, untagged
 from test_channel_trust import assert_rogue_refused, rogue_config, rogue_peer_train_func
 from test_launch import rogue_train_func
 from validation_fns import validate_in_ray_task
 
-from conftest import REPO_ROOT, running_after, untagged
+import lockstep
+from lockstep import (
+    Checkpoint,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+    ValidationConfig,
+    ValidationTaskConfig,
+)
+from lockstep._internal.executors.ray import assign_ranks, rank_env
+from lockstep._internal.executors.ray_placement import placement_problem, worker_bundle
+from lockstep._internal.executors.ray_pool import POOL, release_kept_actors
+from lockstep._internal.ray_compat.ray_actor import WorkerPlace
+from lockstep._internal.run.worker_group import GroupSpec
+from lockstep.torch import TorchTrainer
 
 ray = pytest.importorskip("ray")
 from ray import remote  # noqa: E402 - a Ray function under another name (test_a_train_function_that_names_ray...)
@@ -134,9 +139,12 @@ def report_placement() -> None:
 
     context = lockstep.get_context()
     mine = {
-        "rank": context.get_world_rank(), "local_rank": context.get_local_rank(),
-        "local_world_size": context.get_local_world_size(), "node_rank": context.get_node_rank(),
-        "node": os.environ["LOCKSTEP_TEST_NODE"], "ray_node": ray.get_runtime_context().get_node_id(),
+        "rank": context.get_world_rank(),
+        "local_rank": context.get_local_rank(),
+        "local_world_size": context.get_local_world_size(),
+        "node_rank": context.get_node_rank(),
+        "node": os.environ["LOCKSTEP_TEST_NODE"],
+        "ray_node": ray.get_runtime_context().get_node_id(),
         "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
     }
     everyone: list[Any] = [None] * context.get_world_size()
@@ -145,7 +153,9 @@ def report_placement() -> None:
 
 
 def fit_on_ray(train_fn: Any, storage_path: str, **scaling: Any) -> lockstep.Result:
-    run = RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=scaling.pop("max_failures", 0)))
+    run = RunConfig(
+        storage_path=storage_path, failure_config=FailureConfig(max_failures=scaling.pop("max_failures", 0))
+    )
     return TorchTrainer(train_fn, scaling_config=ScalingConfig(**scaling), run_config=run).fit()
 
 
@@ -171,7 +181,10 @@ def test_pack_keeps_ranks_on_one_node(storage_path: str) -> None:
     result = fit_on_ray(report_placement, storage_path, num_workers=2, placement_strategy="PACK")
     ranks = result.metrics["ranks"]
     assert len({entry["ray_node"] for entry in ranks}) == 1
-    assert [(entry["local_rank"], entry["node_rank"], entry["local_world_size"]) for entry in ranks] == [(0, 0, 2), (1, 0, 2)]
+    assert [(entry["local_rank"], entry["node_rank"], entry["local_world_size"]) for entry in ranks] == [
+        (0, 0, 2),
+        (1, 0, 2),
+    ]
 
 
 def fail_on_rank_1() -> None:
@@ -198,10 +211,12 @@ def test_a_failing_rank_is_named_with_its_traceback(storage_path: str) -> None:
 def test_a_hung_rank_is_named_with_where_every_rank_is(storage_path: str, tmp_path: Path) -> None:
     from test_hangs import train_steps
 
-    trainer = TorchTrainer(train_steps, scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
-                           train_loop_config={"steps": 10_000, "stuck_rank": 1, "stuck_at": 20,
-                                              "marker": str(tmp_path / "stuck_since")},
-                           run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(hang_timeout_s=2)))
+    trainer = TorchTrainer(
+        train_steps,
+        scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+        train_loop_config={"steps": 10_000, "stuck_rank": 1, "stuck_at": 20, "marker": str(tmp_path / "stuck_since")},
+        run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(hang_timeout_s=2)),
+    )
     with pytest.raises(lockstep.WorkerGroupError) as failure:
         trainer.fit()
     named_after_s = time.time() - float((tmp_path / "stuck_since").read_text())
@@ -228,9 +243,12 @@ def test_the_driver_refuses_connections_without_the_secret(storage_path: str) ->
 @pytest.mark.timeout(120)
 def test_a_rogue_peer_with_an_actors_credential_runs_nothing(tmp_path: Path, storage_path: str) -> None:
     config = rogue_config(tmp_path)
-    trainer = TorchTrainer(rogue_peer_train_func, train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
-                           run_config=RunConfig(storage_path=storage_path))
+    trainer = TorchTrainer(
+        rogue_peer_train_func,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+        run_config=RunConfig(storage_path=storage_path),
+    )
     result = trainer.fit()
     assert_rogue_refused(config["out"], config["marker"])
     assert result.return_value == "rank 0's own value" and result.metrics["broadcast"] == "rank 0"
@@ -240,9 +258,17 @@ def test_a_rogue_peer_with_an_actors_credential_runs_nothing(tmp_path: Path, sto
 @pytest.mark.timeout(60)
 def test_a_request_the_cluster_can_never_hold_fails_at_once(storage_path: str) -> None:
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"(?s)can't hold 2 worker\(s\) .*no node holds more than 1.*node [0-9.]+ \([0-9a-f]{8}\): CPU=2, memory="):
-        fit_on_ray(report_placement, storage_path, num_workers=2, resources_per_worker={"CPU": 2},
-                   placement_strategy="STRICT_PACK")
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)can't hold 2 worker\(s\) .*no node holds more than 1.*node [0-9.]+ \([0-9a-f]{8}\): CPU=2, memory=",
+    ):
+        fit_on_ray(
+            report_placement,
+            storage_path,
+            num_workers=2,
+            resources_per_worker={"CPU": 2},
+            placement_strategy="STRICT_PACK",
+        )
     with pytest.raises(ValueError, match="STRICT_SPREAD needs 3 nodes"):
         fit_on_ray(report_placement, storage_path, num_workers=3, placement_strategy="STRICT_SPREAD")
     with pytest.raises(ValueError, match=r"'TPU': 1\.0"):
@@ -259,7 +285,9 @@ def test_resources_held_by_others_fail_after_the_placement_timeout(storage_path:
     assert holder.wait(timeout_seconds=30)
     try:
         started = time.monotonic()
-        with pytest.raises(TrainingFailedError, match=r"(?s)within 2 s \(ScalingConfig.placement_timeout_s\).*Available now"):
+        with pytest.raises(
+            TrainingFailedError, match=r"(?s)within 2 s \(ScalingConfig.placement_timeout_s\).*Available now"
+        ):
             fit_on_ray(report_placement, storage_path, num_workers=2, placement_timeout_s=2)
         assert 2 <= time.monotonic() - started < 20
     finally:
@@ -276,8 +304,13 @@ def read_ray_shards() -> None:
     everyone: list[Any] = [None] * lockstep.get_context().get_world_size()
     dist.all_gather_object(everyone, ids)
     torch_shard = [int(item) for item in lockstep.get_dataset_shard("numbers")]
-    lockstep.report({"ids": everyone, "tensor_batches": all(isinstance(batch["id"], torch.Tensor) for batch in tensors),
-                     "numbers": torch_shard})
+    lockstep.report(
+        {
+            "ids": everyone,
+            "tensor_batches": all(isinstance(batch["id"], torch.Tensor) for batch in tensors),
+            "numbers": torch_shard,
+        }
+    )
 
 
 @ray_test
@@ -285,7 +318,8 @@ def read_ray_shards() -> None:
 def test_ray_datasets_get_streaming_splits_and_torch_datasets_shards(storage_path: str) -> None:
     dataset = ray.data.range(100)
     trainer = TorchTrainer(
-        read_ray_shards, datasets={"train": dataset, "numbers": list(range(10, 20))},
+        read_ray_shards,
+        datasets={"train": dataset, "numbers": list(range(10, 20))},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=storage_path),
     )
@@ -307,7 +341,9 @@ def print_from_every_rank() -> None:
 @ray_test
 @both_ways
 @pytest.mark.timeout(120)
-def test_worker_output_reaches_the_console_and_per_rank_logs(storage_path: str, capfd: pytest.CaptureFixture[str]) -> None:
+def test_worker_output_reaches_the_console_and_per_rank_logs(
+    storage_path: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     run = RunConfig(name="printing", storage_path=storage_path)
     TorchTrainer(print_from_every_rank, scaling_config=ScalingConfig(num_workers=2), run_config=run).fit()
     console = capfd.readouterr()
@@ -329,8 +365,11 @@ def test_storage_a_node_cannot_see_is_named(tmp_path: Path) -> None:
     from node_local_fs import NodeLocalFileSystem
 
     trainer = TorchTrainer(
-        checkpoint_once, scaling_config=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD"),
-        run_config=RunConfig(name="unshared", storage_path="runs", storage_filesystem=NodeLocalFileSystem(str(tmp_path))),
+        checkpoint_once,
+        scaling_config=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD"),
+        run_config=RunConfig(
+            name="unshared", storage_path="runs", storage_filesystem=NodeLocalFileSystem(str(tmp_path))
+        ),
     )
     with pytest.raises(TrainingFailedError, match=r"rank \d can't see the run folder .* must be shared by every node"):
         trainer.fit()
@@ -342,7 +381,10 @@ def test_seed_003_script_with_ray_init_trains_on_the_cluster(cluster: Any, tmp_p
     script = REPO_ROOT / "tests" / "scripts" / "seed_003_lockstep.py"
     completed = subprocess.run(
         [sys.executable, str(script), "--num-workers", "2", "--address", cluster.address],
-        capture_output=True, text=True, timeout=190, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=190,
+        cwd=REPO_ROOT,
         env={**os.environ, "LOCKSTEP_DATA": str(data_dir), "HOME": str(tmp_path)},
     )
     assert completed.returncode == 0, f"{completed.stdout}\n{completed.stderr}"
@@ -369,7 +411,8 @@ def report_three_to_validate() -> None:
 @pytest.mark.timeout(180)
 def test_validations_run_as_ray_tasks_with_the_ray_remote_kwargs(storage_path: str) -> None:
     result = TorchTrainer(
-        report_three_to_validate, scaling_config=ScalingConfig(num_workers=2, executor="ray"),
+        report_three_to_validate,
+        scaling_config=ScalingConfig(num_workers=2, executor="ray"),
         run_config=RunConfig(storage_path=storage_path),
         validation_config=ValidationConfig(validate_in_ray_task, ray_remote_kwargs={"num_cpus": 1, "max_retries": 0}),
     ).fit()
@@ -383,10 +426,21 @@ def test_validations_run_as_ray_tasks_with_the_ray_remote_kwargs(storage_path: s
 
 
 def run_same_script(framework: str, storage: Path, address: str | None) -> dict[str, Any]:
-    command = [sys.executable, str(REPO_ROOT / "tests" / "scripts" / "validation_same_script.py"),
-               "--framework", framework, "--storage", str(storage)]
-    completed = subprocess.run(command + (["--address", address] if address else []), capture_output=True,
-                               text=True, timeout=170, cwd=REPO_ROOT)
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "tests" / "scripts" / "validation_same_script.py"),
+        "--framework",
+        framework,
+        "--storage",
+        str(storage),
+    ]
+    completed = subprocess.run(
+        command + (["--address", address] if address else []),
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=REPO_ROOT,
+    )
     assert completed.returncode == 0, f"{framework}:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -450,8 +504,10 @@ def train_until_a_node_is_lost(config: dict[str, Any]) -> None:
     for step in range(first_step, 4):
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, "step").write_text(str(step))
-            lockstep.report({"step": step, "node": os.environ["LOCKSTEP_TEST_NODE"], "rank": context.get_world_rank()},
-                            checkpoint=Checkpoint.from_directory(folder))
+            lockstep.report(
+                {"step": step, "node": os.environ["LOCKSTEP_TEST_NODE"], "rank": context.get_world_rank()},
+                checkpoint=Checkpoint.from_directory(folder),
+            )
         if start is None and step == 1:
             Path(config["reached"]).write_text("step 1")
             threading.Event().wait()
@@ -459,14 +515,18 @@ def train_until_a_node_is_lost(config: dict[str, Any]) -> None:
 
 @ray_test
 @pytest.mark.timeout(240)
-def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(cluster_restored: Any, storage_path: str,
-                                                                       tmp_path: Path) -> None:
+def test_losing_a_node_restarts_from_the_latest_checkpoint_on_the_rest(
+    cluster_restored: Any, storage_path: str, tmp_path: Path
+) -> None:
     reached = tmp_path / "reached"
-    driver, outcome = fit_in_background(TorchTrainer(
-        train_until_a_node_is_lost, train_loop_config={"reached": str(reached)},
-        scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
-        run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
-    ))
+    driver, outcome = fit_in_background(
+        TorchTrainer(
+            train_until_a_node_is_lost,
+            train_loop_config={"reached": str(reached)},
+            scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+            run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(max_failures=1)),
+        )
+    )
     wait_while_running(reached, driver, outcome)
     remove_test_node(cluster_restored, "1", lost=True)
     driver.join(180)
@@ -492,7 +552,9 @@ def grow_when_told(config: dict[str, Any]) -> None:
     while step < 5:
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, "step").write_text(str(step))
-            lockstep.report({"step": step, "world": world, "nodes": nodes}, checkpoint=Checkpoint.from_directory(folder))
+            lockstep.report(
+                {"step": step, "world": world, "nodes": nodes}, checkpoint=Checkpoint.from_directory(folder)
+            )
         if world == 1 and step == 1:
             Path(config["small"]).write_text("")
             deadline = time.monotonic() + 120
@@ -503,15 +565,19 @@ def grow_when_told(config: dict[str, Any]) -> None:
 
 @ray_test
 @pytest.mark.timeout(240)
-def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(cluster_restored: Any, storage_path: str,
-                                                                          tmp_path: Path) -> None:
+def test_an_elastic_run_starts_with_what_fits_and_grows_when_a_node_joins(
+    cluster_restored: Any, storage_path: str, tmp_path: Path
+) -> None:
     remove_test_node(cluster_restored, "1")  # one 2-CPU worker node is left: 1 worker of 2 CPUs fits
     marks = {"small": str(tmp_path / "small"), "grow": str(tmp_path / "grow")}
-    driver, outcome = fit_in_background(TorchTrainer(
-        grow_when_told, train_loop_config=marks,
-        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": NODE_CPUS}),
-        run_config=RunConfig(storage_path=storage_path),
-    ))
+    driver, outcome = fit_in_background(
+        TorchTrainer(
+            grow_when_told,
+            train_loop_config=marks,
+            scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": NODE_CPUS}),
+            run_config=RunConfig(storage_path=storage_path),
+        )
+    )
     wait_while_running(Path(marks["small"]), driver, outcome)
     add_test_node(cluster_restored, "1")
     Path(marks["grow"]).write_text("")
@@ -538,8 +604,12 @@ def train_until_preempted(config: dict[str, Any]) -> None:
     for step in range(first, config["steps"]):
         time.sleep(0.2)
         info = lockstep.get_preemption_info()
-        metrics = {"step": step, "first": first, "preempted": info and info.preempted_node_to_ranks,
-                   "deadline_ms": info and info.deadline_ms}
+        metrics = {
+            "step": step,
+            "first": first,
+            "preempted": info and info.preempted_node_to_ranks,
+            "deadline_ms": info and info.deadline_ms,
+        }
         if step in (2, 5, config["steps"] - 1) or info is not None:
             with tempfile.TemporaryDirectory() as folder:
                 Path(folder, "step").write_text(str(step))
@@ -547,7 +617,11 @@ def train_until_preempted(config: dict[str, Any]) -> None:
         else:
             lockstep.report(metrics)
         if context.get_world_rank() == 1:
-            where = {"step": step, "label": os.environ["LOCKSTEP_TEST_NODE"], "node_id": ray.get_runtime_context().get_node_id()}
+            where = {
+                "step": step,
+                "label": os.environ["LOCKSTEP_TEST_NODE"],
+                "node_id": ray.get_runtime_context().get_node_id(),
+            }
             progress.with_suffix(".tmp").write_text(json.dumps(where))
             progress.with_suffix(".tmp").replace(progress)
 
@@ -557,8 +631,11 @@ def drain(cluster: Any, node_id: str, deadline_s: int = 60) -> None:
     from ray.core.generated import autoscaler_pb2
 
     accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "the test preempts it",
-        int(time.time() * 1000) + deadline_s * 1000)
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "the test preempts it",
+        int(time.time() * 1000) + deadline_s * 1000,
+    )
     assert accepted, why
 
 
@@ -586,24 +663,33 @@ def rank_1_progress(path: Path, after_step: int, driver: threading.Thread, outco
 
 @ray_test
 @pytest.mark.timeout(240)
-def test_a_drained_node_is_a_preemption_notice_for_its_ranks(cluster_restored: Any, storage_path: str,
-                                                              tmp_path: Path) -> None:
+def test_a_drained_node_is_a_preemption_notice_for_its_ranks(
+    cluster_restored: Any, storage_path: str, tmp_path: Path
+) -> None:
     cluster = cluster_restored
     with untagged():  # a node the group can't use (1 CPU), kept busy so that it stays draining
         cluster.test_nodes["2"] = cluster.add_node(num_cpus=1, env_vars={"LOCKSTEP_TEST_NODE": "2"})
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    holder = ray.remote(num_cpus=1)(threading.Event).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.test_nodes["2"].node_id, soft=False)).remote()
+    holder = (
+        ray.remote(num_cpus=1)(threading.Event)
+        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.test_nodes["2"].node_id, soft=False))
+        .remote()
+    )
     ray.get(holder.is_set.remote())
     progress = tmp_path / "progress.json"
 
     def trainer(steps: int) -> TorchTrainer:
-        return TorchTrainer(train_until_preempted, train_loop_config={"steps": steps, "progress": str(progress)},
-                            scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD",
-                                                         resources_per_worker={"CPU": NODE_CPUS}),
-                            run_config=RunConfig(name="drained", storage_path=storage_path,
-                                                 failure_config=FailureConfig(preemption_grace_s=60)))
+        return TorchTrainer(
+            train_until_preempted,
+            train_loop_config={"steps": steps, "progress": str(progress)},
+            scaling_config=ScalingConfig(
+                num_workers=2, placement_strategy="SPREAD", resources_per_worker={"CPU": NODE_CPUS}
+            ),
+            run_config=RunConfig(
+                name="drained", storage_path=storage_path, failure_config=FailureConfig(preemption_grace_s=60)
+            ),
+        )
 
     driver, outcome = fit_in_background(trainer(steps=500))
     drained_label = None
@@ -666,8 +752,12 @@ def leave_leftovers() -> None:
     the same for the next."""
     import torch.distributed as dist
 
-    seen = {"pid": os.getpid(), "variable": os.environ.get("LOCKSTEP_TEST_LEFTOVER"),
-            "had_earlier_group": "group" in _left_by_earlier_fit, "earlier_group_gone": None}
+    seen = {
+        "pid": os.getpid(),
+        "variable": os.environ.get("LOCKSTEP_TEST_LEFTOVER"),
+        "had_earlier_group": "group" in _left_by_earlier_fit,
+        "earlier_group_gone": None,
+    }
     if "group" in _left_by_earlier_fit:
         try:
             dist.get_rank(_left_by_earlier_fit["group"])
@@ -694,8 +784,9 @@ def fail_after_telling_pids(config: dict[str, Any]) -> None:
 
 @ray_test
 @pytest.mark.timeout(150)
-def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(storage_path: str,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(
+    storage_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LOCKSTEP_RAY_FORK", "0")  # the ranks run in the actors' own processes
     first = fit_on_ray(leave_leftovers, storage_path, num_workers=2).metrics["ranks"]
     assert POOL.kept is not None and len(POOL.kept.actors) == 2
@@ -704,7 +795,9 @@ def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(sto
     for rank in second:
         assert rank["had_earlier_group"], "not the same process: the module global is gone"
         assert rank["variable"] is None, "the first fit's environment variable leaked into the second"
-        assert rank["earlier_group_gone"] is True and rank["same_world"] is False, "the first fit's process group survived"
+        assert rank["earlier_group_gone"] is True and rank["same_world"] is False, (
+            "the first fit's process group survived"
+        )
     release_kept_actors()
     assert POOL.kept is None
     assert not running_after({rank["pid"] for rank in second}, 20), "released actors still run"
@@ -713,8 +806,12 @@ def test_a_second_fit_reuses_the_actors_of_a_clean_one_without_its_leftovers(sto
 @ray_test
 @pytest.mark.timeout(150)
 def test_a_failed_fits_actors_are_not_reused(storage_path: str, tmp_path: Path) -> None:
-    trainer = TorchTrainer(fail_after_telling_pids, train_loop_config={"folder": str(tmp_path)},
-                           scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage_path))
+    trainer = TorchTrainer(
+        fail_after_telling_pids,
+        train_loop_config={"folder": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path),
+    )
     with pytest.raises(TrainingFailedError, match="rank 1 fails on purpose"):
         trainer.fit()
     assert POOL.kept is None
@@ -770,8 +867,12 @@ def report_process_tree() -> None:
     import torch.distributed as dist
 
     parent = os.getppid()
-    mine = {"pid": os.getpid(), "node": os.environ["LOCKSTEP_TEST_NODE"], "parent": parent,
-            "parent_command": Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()}
+    mine = {
+        "pid": os.getpid(),
+        "node": os.environ["LOCKSTEP_TEST_NODE"],
+        "parent": parent,
+        "parent_command": Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(),
+    }
     everyone: list[Any] = [None] * lockstep.get_context().get_world_size()
     dist.all_gather_object(everyone, mine)
     lockstep.report({"ranks": everyone})
@@ -788,7 +889,9 @@ def test_forked_ranks_are_children_of_one_warm_process_per_node(storage_path: st
         assert "-m lockstep._internal.warm.zygote " in rank["parent_command"]
     assert POOL.kept is not None and len(POOL.kept.actors) == 4
     second = fit_on_ray(report_process_tree, storage_path, num_workers=4, placement_strategy="SPREAD").metrics["ranks"]
-    assert {rank["parent"] for rank in second} == set(parents.values()), "the kept actors' warm processes were not reused"
+    assert {rank["parent"] for rank in second} == set(parents.values()), (
+        "the kept actors' warm processes were not reused"
+    )
     assert not {rank["pid"] for rank in first} & {rank["pid"] for rank in second}, "a rank process outlived its fit"
     release_kept_actors()
     everything = {rank["pid"] for rank in first + second} | set(parents.values())
@@ -798,8 +901,12 @@ def test_forked_ranks_are_children_of_one_warm_process_per_node(storage_path: st
 @ray_test
 @pytest.mark.timeout(120)
 def test_ranks_given_ray_datasets_run_in_their_actors(storage_path: str) -> None:
-    trainer = TorchTrainer(report_process_tree, scaling_config=ScalingConfig(num_workers=2),
-                           datasets={"train": ray.data.range(8)}, run_config=RunConfig(storage_path=storage_path))
+    trainer = TorchTrainer(
+        report_process_tree,
+        scaling_config=ScalingConfig(num_workers=2),
+        datasets={"train": ray.data.range(8)},
+        run_config=RunConfig(storage_path=storage_path),
+    )
     ranks = trainer.fit().metrics["ranks"]
     assert not any("lockstep._internal.warm.zygote" in rank["parent_command"] for rank in ranks)
 
@@ -833,7 +940,6 @@ def test_a_train_function_that_names_ray_keeps_its_ranks_in_their_actors() -> No
     assert "train_loop_config['pool']" in str(names_ray(print_from_every_rank, {"pool": [ActorPool]}))
 
 
-
 def place(node: str, *gpus: str) -> WorkerPlace:
     return WorkerPlace(node_id=node, node_ip=f"10.0.0.{ord(node[0]) % 10}", gpu_ids=tuple(gpus), pid=0)
 
@@ -841,7 +947,12 @@ def place(node: str, *gpus: str) -> WorkerPlace:
 def test_ranks_are_grouped_by_node_driver_node_first_then_by_gpu() -> None:
     places = [place("b", "1"), place("a", "3"), place("b", "0"), place("a", "2")]
     ranks = assign_ranks(places, first_node_id="a")
-    assert [(rank.actor_index, rank.node_rank, rank.local_rank) for rank in ranks] == [(3, 0, 0), (1, 0, 1), (2, 1, 0), (0, 1, 1)]
+    assert [(rank.actor_index, rank.node_rank, rank.local_rank) for rank in ranks] == [
+        (3, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (0, 1, 1),
+    ]
     env = rank_env(ranks, ranks[2], 29500, cpus=2, use_gpu=True).variables()
     assert env["RANK"] == "2" and env["LOCAL_RANK"] == "0" and env["NODE_RANK"] == "1"
     assert env["MASTER_ADDR"] == places[3].node_ip and env["MASTER_PORT"] == "29500"
@@ -854,31 +965,45 @@ def test_gpu_ids_sort_as_numbers() -> None:
     assert [rank.actor_index for rank in ranks] == [1, 0]
 
 
-@pytest.mark.parametrize("strategy, count, nodes, problem", [
-    ("PACK", 4, [{"CPU": 2}, {"CPU": 2}], None),
-    ("PACK", 5, [{"CPU": 2}, {"CPU": 2}], "hold at most 4"),
-    ("STRICT_PACK", 3, [{"CPU": 2}, {"CPU": 2}], "no node holds more than 2"),
-    ("STRICT_PACK", 2, [{"CPU": 1}, {"CPU": 2}], None),
-    ("STRICT_SPREAD", 2, [{"CPU": 4}, {"CPU": 0}], "2 nodes that each hold a worker, and 1 do"),
-    ("SPREAD", 1, [{"CPU": 8}], None),
-])
+@pytest.mark.parametrize(
+    "strategy, count, nodes, problem",
+    [
+        ("PACK", 4, [{"CPU": 2}, {"CPU": 2}], None),
+        ("PACK", 5, [{"CPU": 2}, {"CPU": 2}], "hold at most 4"),
+        ("STRICT_PACK", 3, [{"CPU": 2}, {"CPU": 2}], "no node holds more than 2"),
+        ("STRICT_PACK", 2, [{"CPU": 1}, {"CPU": 2}], None),
+        ("STRICT_SPREAD", 2, [{"CPU": 4}, {"CPU": 0}], "2 nodes that each hold a worker, and 1 do"),
+        ("SPREAD", 1, [{"CPU": 8}], None),
+    ],
+)
 def test_placement_problem(strategy: str, count: int, nodes: list[dict[str, float]], problem: str | None) -> None:
     found = placement_problem({"CPU": 1}, count, strategy, nodes)
     assert (found is None) if problem is None else (problem in (found or "")), found
 
 
 def test_bundle_carries_gpus_custom_resources_and_accelerator_type() -> None:
-    spec = GroupSpec(num_workers=1, cpus_per_worker=2, gpus_per_worker=1, use_gpu=True,
-                     resources_per_worker={"CPU": 2, "GPU": 1, "special": 1}, accelerator_type="A100")
+    spec = GroupSpec(
+        num_workers=1,
+        cpus_per_worker=2,
+        gpus_per_worker=1,
+        use_gpu=True,
+        resources_per_worker={"CPU": 2, "GPU": 1, "special": 1},
+        accelerator_type="A100",
+    )
     assert worker_bundle(spec) == {"CPU": 2.0, "GPU": 1.0, "special": 1.0, "accelerator_type:A100": 0.001}
     assert placement_problem(worker_bundle(spec), 1, "PACK", [{"CPU": 8, "GPU": 8, "special": 1}]) is not None
 
 
-def test_asking_for_ray_without_ray_installed_says_how_to_install(monkeypatch: pytest.MonkeyPatch, storage_path: str) -> None:
+def test_asking_for_ray_without_ray_installed_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, storage_path: str
+) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ValueError, match=r"pip install 'lockstep\[ray\]'"):
-        TorchTrainer(report_placement, scaling_config=ScalingConfig(executor="ray"),
-                     run_config=RunConfig(storage_path=storage_path)).fit()
+        TorchTrainer(
+            report_placement,
+            scaling_config=ScalingConfig(executor="ray"),
+            run_config=RunConfig(storage_path=storage_path),
+        ).fit()
 
 
 def test_ray_executor_fields_are_validated() -> None:

@@ -54,8 +54,10 @@ def test_torch_shard_batches_can_be_read_again_as_rays_can() -> None:
 
 def test_torch_shard_local_shuffle_is_a_seeded_permutation_of_the_shard() -> None:
     shard = DatasetShard(pairs(80), rank=0, world_size=2)
-    seeded = [labels(shard.iter_torch_batches(batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=3))
-              for _ in range(2)]
+    seeded = [
+        labels(shard.iter_torch_batches(batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=3))
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1], "the same seed gives the same order"
     flat = [label for batch in seeded[0] for label in batch]
     assert sorted(flat) == list(range(40)) and flat != list(range(40))
@@ -123,17 +125,29 @@ def test_dataset_name_none_means_the_only_dataset() -> None:
 
 def read_torch_shard_with_ray_arguments() -> None:
     shard = lockstep.get_dataset_shard()
-    batches = list(shard.iter_torch_batches(
-        prefetch_batches=2, batch_size=4, dtypes=torch.float64, device="auto", collate_fn=None, drop_last=True,
-        local_shuffle_buffer_size=8, local_shuffle_seed=lockstep.get_context().get_world_rank(), pin_memory=False,
-    ))
+    batches = list(
+        shard.iter_torch_batches(
+            prefetch_batches=2,
+            batch_size=4,
+            dtypes=torch.float64,
+            device="auto",
+            collate_fn=None,
+            drop_last=True,
+            local_shuffle_buffer_size=8,
+            local_shuffle_seed=lockstep.get_context().get_world_rank(),
+            pin_memory=False,
+        )
+    )
     lockstep.report({"labels": [batch[1].tolist() for batch in batches], "dtype": str(batches[0][0].dtype)})
 
 
 def test_torch_shard_in_a_run_takes_ray_arguments(storage_path: str) -> None:
-    result = TorchTrainer(read_torch_shard_with_ray_arguments, datasets={"train": pairs(20)},
-                          scaling_config=ScalingConfig(num_workers=2, executor="local"),
-                          run_config=RunConfig(storage_path=storage_path)).fit()
+    result = TorchTrainer(
+        read_torch_shard_with_ray_arguments,
+        datasets={"train": pairs(20)},
+        scaling_config=ScalingConfig(num_workers=2, executor="local"),
+        run_config=RunConfig(storage_path=storage_path),
+    ).fit()
     rank0 = [label for batch in result.metrics["labels"] for label in batch]
     assert len(result.metrics["labels"]) == 2, "10 items in batches of 4 with drop_last"
     assert len(set(rank0)) == 8 and set(rank0) <= set(range(10)), "rank 0 reads its own half only"
@@ -169,32 +183,50 @@ def read_ray_shard_with_ray_arguments() -> None:
             return torch.as_tensor(batch["x"] * 2)
 
     shard = lockstep.get_dataset_shard()  # dataset_name=None: the only dataset
-    torch_batches = list(shard.iter_torch_batches(
-        prefetch_batches=2, batch_size=8, dtypes={"x": torch.float16, "id": torch.int64}, device="auto", drop_last=True,
-        local_shuffle_buffer_size=16, local_shuffle_seed=1, pin_memory=False,
-    ))
-    numpy_ids = [int(value) for batch in shard.iter_batches(
-        prefetch_batches=0, batch_size=5, batch_format="numpy", drop_last=False) for value in batch["id"]]
+    torch_batches = list(
+        shard.iter_torch_batches(
+            prefetch_batches=2,
+            batch_size=8,
+            dtypes={"x": torch.float16, "id": torch.int64},
+            device="auto",
+            drop_last=True,
+            local_shuffle_buffer_size=16,
+            local_shuffle_seed=1,
+            pin_memory=False,
+        )
+    )
+    numpy_ids = [
+        int(value)
+        for batch in shard.iter_batches(prefetch_batches=0, batch_size=5, batch_format="numpy", drop_last=False)
+        for value in batch["id"]
+    ]
     collated = list(shard.iter_torch_batches(batch_size=32, collate_fn=Doubled()))
-    lockstep.report({
-        "on_ray_actor": ray.get_runtime_context().get_actor_id() is not None,
-        "iterator": type(shard.iterator).__name__,
-        "dtype": str(torch_batches[0]["x"].dtype),
-        "device": str(torch_batches[0]["x"].device),
-        "shuffled_ids": [int(value) for batch in torch_batches for value in batch["id"]],
-        "numpy_ids": numpy_ids,
-        "collated_sum": float(sum(batch.sum() for batch in collated)),
-    })
+    lockstep.report(
+        {
+            "on_ray_actor": ray.get_runtime_context().get_actor_id() is not None,
+            "iterator": type(shard.iterator).__name__,
+            "dtype": str(torch_batches[0]["x"].dtype),
+            "device": str(torch_batches[0]["x"].device),
+            "shuffled_ids": [int(value) for batch in torch_batches for value in batch["id"]],
+            "numpy_ids": numpy_ids,
+            "collated_sum": float(sum(batch.sum() for batch in collated)),
+        }
+    )
 
 
 def test_ray_dataset_without_ray_init_runs_on_ray_with_ray_arguments(
     ray_dataset: Any, storage_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="lockstep"):
-        result = TorchTrainer(read_ray_shard_with_ray_arguments, datasets={"train": ray_dataset},
-                              scaling_config=ScalingConfig(num_workers=2),
-                              run_config=RunConfig(storage_path=storage_path)).fit()
-    assert "datasets ['train'] are Ray Datasets: running on Ray (a local Ray instance this process started)" in caplog.text
+        result = TorchTrainer(
+            read_ray_shard_with_ray_arguments,
+            datasets={"train": ray_dataset},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(storage_path=storage_path),
+        ).fit()
+    assert (
+        "datasets ['train'] are Ray Datasets: running on Ray (a local Ray instance this process started)" in caplog.text
+    )
     metrics = result.metrics
     assert metrics["on_ray_actor"], "Ray Datasets run on the Ray executor"
     assert "DataIterator" in metrics["iterator"], "the shard is Ray's own iterator, called with Ray's arguments"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import parent_of, running_after
 
-from lockstep._internal.ray_compat.ray_fork import ForkedRank, ForkRefused, NodeForker
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
+from lockstep._internal.ray_compat.ray_fork import ForkedRank, ForkRefused, NodeForker
 from lockstep._internal.wire.channel import ENV_AUTHKEY, ENV_DRIVER_PID
 
 
@@ -45,14 +45,23 @@ def forker() -> Iterator[NodeForker]:
 
 def rank_env(driver: socket.socket) -> dict[str, str]:
     port = driver.getsockname()[1]
-    return {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "1", ENV_DRIVER_ADDRESS: f"127.0.0.1:{port}", ENV_AUTHKEY: "00" * 32,
-            ENV_DRIVER_PID: str(os.getpid())}
+    return {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        ENV_DRIVER_ADDRESS: f"127.0.0.1:{port}",
+        ENV_AUTHKEY: "00" * 32,
+        ENV_DRIVER_PID: str(os.getpid()),
+    }
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_is_a_child_of_the_warm_process_and_its_end_is_told_to_its_asker(
-        forker: NodeForker, silent_driver: socket.socket) -> None:
+    forker: NodeForker, silent_driver: socket.socket
+) -> None:
     rank = ForkedRank(forker.name, b"not read before the driver answers", rank_env(silent_driver), [])
     try:
         accepted, _ = silent_driver.accept()  # the rank has connected and waits for the challenge

@@ -12,8 +12,9 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from conftest import REPO_ROOT
@@ -54,14 +55,22 @@ def ray_public_names(module_name: str) -> set[str]:
     module = importlib.import_module(module_name)
     if hasattr(module, "__all__"):
         return set(module.__all__)
-    return {name for name, value in vars(module).items()
-            if inspect.isfunction(value) and getattr(value, "_annotated", None) == name
-            and getattr(getattr(value, "_annotated_type", None), "name", "") == "PUBLIC_API"}
+    return {
+        name
+        for name, value in vars(module).items()
+        if inspect.isfunction(value)
+        and getattr(value, "_annotated", None) == name
+        and getattr(getattr(value, "_annotated_type", None), "name", "") == "PUBLIC_API"
+    }
 
 
 def entries(*statuses: str) -> list[tuple[str, str, NameStatus]]:
-    return [(module, name, status) for module, names in RAY_NAMES.items() for name, status in names.items()
-            if status.status in statuses]
+    return [
+        (module, name, status)
+        for module, names in RAY_NAMES.items()
+        for name, status in names.items()
+        if status.status in statuses
+    ]
 
 
 # -- the map of names ------------------------------------------------------------------------------
@@ -70,8 +79,9 @@ def entries(*statuses: str) -> list[tuple[str, str, NameStatus]]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("module_name", sorted(RAY_NAMES))
 def test_every_public_ray_name_is_in_the_map(module_name: str) -> None:
-    assert set(RAY_NAMES[module_name]) == ray_public_names(module_name), \
+    assert set(RAY_NAMES[module_name]) == ray_public_names(module_name), (
         "update lockstep._internal.ray_compat.ray_names: Ray's public names changed"
+    )
 
 
 @pytest.mark.parametrize("module_name, name, status", entries("provided", "deprecated"))
@@ -91,7 +101,8 @@ def test_only_names_needing_what_lockstep_lacks_are_not_provided_and_they_say_wh
         lockstep_module = importlib.import_module(module_name.replace("ray.train", "lockstep"))
         assert not hasattr(lockstep_module, name), f"{module_name}.{name} is said not to be provided, yet it is"
         assert any(reason in status.note for reason in NOT_HERE), (
-            f"{module_name}.{name} is not provided, but not for want of {' or '.join(NOT_HERE)}: {status.note}")
+            f"{module_name}.{name} is not provided, but not for want of {' or '.join(NOT_HERE)}: {status.note}"
+        )
 
 
 # -- deprecated names fail on use, naming the replacement -------------------------------------------
@@ -101,17 +112,20 @@ def _call(path: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
     return lambda: resolve(path)(*args, **kwargs)
 
 
-@pytest.mark.parametrize("use, replacement", [
-    (_call("lockstep.torch.accelerate", amp=True), "torch.autocast"),
-    (_call("lockstep.torch.backward", None), "loss.backward()"),
-    (_call("lockstep.torch.prepare_optimizer", None), "the optimizer as it is"),
-    (_call("lockstep.torch.TorchCheckpoint"), "lockstep.Checkpoint"),
-    (lambda: resolve("lockstep.torch.TorchCheckpoint").from_state_dict({}), "lockstep.Checkpoint"),
-    (_call("lockstep.session.get_trial_dir"), "train_loop_config"),
-    (_call("lockstep.session.get_trial_id"), "get_experiment_name()"),
-    (_call("lockstep.session.get_run_id"), "get_experiment_name()"),
-    (_call("lockstep.session.get_trial_resources"), "get_device()"),
-])
+@pytest.mark.parametrize(
+    "use, replacement",
+    [
+        (_call("lockstep.torch.accelerate", amp=True), "torch.autocast"),
+        (_call("lockstep.torch.backward", None), "loss.backward()"),
+        (_call("lockstep.torch.prepare_optimizer", None), "the optimizer as it is"),
+        (_call("lockstep.torch.TorchCheckpoint"), "lockstep.Checkpoint"),
+        (lambda: resolve("lockstep.torch.TorchCheckpoint").from_state_dict({}), "lockstep.Checkpoint"),
+        (_call("lockstep.session.get_trial_dir"), "train_loop_config"),
+        (_call("lockstep.session.get_trial_id"), "get_experiment_name()"),
+        (_call("lockstep.session.get_run_id"), "get_experiment_name()"),
+        (_call("lockstep.session.get_trial_resources"), "get_device()"),
+    ],
+)
 def test_deprecated_names_fail_on_use_with_the_replacement(use: Callable[[], Any], replacement: str) -> None:
     with pytest.raises(DeprecationWarning, match="deprecated in Ray Train") as raised:
         use()
@@ -132,40 +146,55 @@ def test_every_deprecated_name_raises_when_called(module_name: str, name: str, s
 # -- V1-era and Ray-only config fields: they work, or say what to use -----------------------------
 
 
-@pytest.mark.parametrize("make, error, says", [
-    (lambda: RunConfig(stop=["training_iteration"]), ValueError, "a dict of metric -> threshold"),
-    (lambda: RunConfig(log_to_file="train.log"), ValueError, "logs/rank_<r>.log"),
-    (lambda: RunConfig(log_to_file=("out", "err")), ValueError, "drop log_to_file"),
-    (lambda: RunConfig(sync_config=object()), ValueError, "storage_path"),
-    (lambda: RunConfig(progress_reporter=object()), ValueError, "verbose=0"),
-    (lambda: RunConfig(worker_runtime_env={"env_vars": {"A": "1"}}), ValueError, "ray.init(runtime_env=...)"),
-    (lambda: RunConfig(storage_path="/a", local_dir="/b"), ValueError, "Pass storage_path only"),
-    (lambda: RunConfig(logging_config="DEBUG"), ValueError, "LoggingConfig"),
-    (lambda: LoggingConfig(log_level="LOUD"), ValueError, "DEBUG, INFO"),
-    (lambda: CheckpointConfig(checkpoint_frequency=2), ValueError, "lockstep.report(metrics, checkpoint="),
-    (lambda: CheckpointConfig(checkpoint_at_end=True), ValueError, "last `lockstep.report"),
-    (lambda: FailureConfig(fail_fast=True, max_failures=2), ValueError, "fail_fast means max_failures=0"),
-    (lambda: FailureConfig(fail_fast="sometimes"), ValueError, "True, False or 'raise'"),
-    (lambda: ScalingConfig(label_selector={"zone": "a"}), ValueError, "resources_per_worker"),
-    (lambda: ScalingConfig(use_tpu=True), ValueError, "use_gpu=True"),
-    (lambda: ScalingConfig(topology="4x4"), ValueError, "accelerator_type"),
-])
+@pytest.mark.parametrize(
+    "make, error, says",
+    [
+        (lambda: RunConfig(stop=["training_iteration"]), ValueError, "a dict of metric -> threshold"),
+        (lambda: RunConfig(log_to_file="train.log"), ValueError, "logs/rank_<r>.log"),
+        (lambda: RunConfig(log_to_file=("out", "err")), ValueError, "drop log_to_file"),
+        (lambda: RunConfig(sync_config=object()), ValueError, "storage_path"),
+        (lambda: RunConfig(progress_reporter=object()), ValueError, "verbose=0"),
+        (lambda: RunConfig(worker_runtime_env={"env_vars": {"A": "1"}}), ValueError, "ray.init(runtime_env=...)"),
+        (lambda: RunConfig(storage_path="/a", local_dir="/b"), ValueError, "Pass storage_path only"),
+        (lambda: RunConfig(logging_config="DEBUG"), ValueError, "LoggingConfig"),
+        (lambda: LoggingConfig(log_level="LOUD"), ValueError, "DEBUG, INFO"),
+        (lambda: CheckpointConfig(checkpoint_frequency=2), ValueError, "lockstep.report(metrics, checkpoint="),
+        (lambda: CheckpointConfig(checkpoint_at_end=True), ValueError, "last `lockstep.report"),
+        (lambda: FailureConfig(fail_fast=True, max_failures=2), ValueError, "fail_fast means max_failures=0"),
+        (lambda: FailureConfig(fail_fast="sometimes"), ValueError, "True, False or 'raise'"),
+        (lambda: ScalingConfig(label_selector={"zone": "a"}), ValueError, "resources_per_worker"),
+        (lambda: ScalingConfig(use_tpu=True), ValueError, "use_gpu=True"),
+        (lambda: ScalingConfig(topology="4x4"), ValueError, "accelerator_type"),
+    ],
+)
 def test_fields_without_a_meaning_here_say_what_to_use(make: Callable[[], Any], error: type, says: str) -> None:
     with pytest.raises(error) as raised:
         make()
     assert says in str(raised.value)
 
 
-@pytest.mark.parametrize("make, check", [
-    (lambda: RunConfig(verbose=0), lambda config: config.verbose == 0),
-    (lambda: RunConfig(log_to_file=True), lambda config: config.log_to_file is True),
-    (lambda: RunConfig(worker_runtime_env={}), lambda config: True),
-    (lambda: CheckpointConfig(checkpoint_frequency=0, checkpoint_at_end=False), lambda config: config.num_to_keep is None),
-    (lambda: FailureConfig(fail_fast=True), lambda config: config.max_failures == 0),
-    (lambda: FailureConfig(fail_fast="raise"), lambda config: config.max_failures == 0),
-    (lambda: ScalingConfig(num_workers=2, use_tpu=False, label_selector=None, topology=None), lambda config: config.max_workers == 2),
-    (lambda: ScalingConfig(num_workers=0), lambda config: (config.min_workers, config.max_workers, config.elastic) == (0, 0, False)),
-])
+@pytest.mark.parametrize(
+    "make, check",
+    [
+        (lambda: RunConfig(verbose=0), lambda config: config.verbose == 0),
+        (lambda: RunConfig(log_to_file=True), lambda config: config.log_to_file is True),
+        (lambda: RunConfig(worker_runtime_env={}), lambda config: True),
+        (
+            lambda: CheckpointConfig(checkpoint_frequency=0, checkpoint_at_end=False),
+            lambda config: config.num_to_keep is None,
+        ),
+        (lambda: FailureConfig(fail_fast=True), lambda config: config.max_failures == 0),
+        (lambda: FailureConfig(fail_fast="raise"), lambda config: config.max_failures == 0),
+        (
+            lambda: ScalingConfig(num_workers=2, use_tpu=False, label_selector=None, topology=None),
+            lambda config: config.max_workers == 2,
+        ),
+        (
+            lambda: ScalingConfig(num_workers=0),
+            lambda config: (config.min_workers, config.max_workers, config.elastic) == (0, 0, False),
+        ),
+    ],
+)
 def test_fields_that_mean_something_here_work(make: Callable[[], Any], check: Callable[[Any], bool]) -> None:
     assert check(make())
 
@@ -208,8 +237,10 @@ def test_a_failing_rank_is_a_worker_group_error_with_its_worker_failure(storage_
     from lockstep.torch import TorchConfig, TorchTrainer
 
     trainer = TorchTrainer(
-        fail_on_rank_one_after_a_collective, torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl"),
-        scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(name="fails", storage_path=storage_path),
+        fail_on_rank_one_after_a_collective,
+        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl"),
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="fails", storage_path=storage_path),
     )
     with pytest.raises(WorkerGroupError) as caught:
         trainer.fit()
@@ -244,10 +275,10 @@ class _Unpicklable(Exception):
 
 
 def test_a_driver_that_cannot_go_on_is_a_controller_error(tmp_path: Path) -> None:
-    from lockstep._internal.run.controller import Controller
-    from lockstep._internal.run.worker_group import GroupFactory
-    from lockstep._internal.run.run_record import RunRecorder
     from lockstep._internal.persist.storage import RunStorage
+    from lockstep._internal.run.controller import Controller
+    from lockstep._internal.run.run_record import RunRecorder
+    from lockstep._internal.run.worker_group import GroupFactory
 
     def no_group(size: int) -> Any:
         raise _Unpicklable("the cluster went away")
@@ -283,8 +314,13 @@ def test_import_lockstep_imports_neither_torch_nor_the_integrations() -> None:
         "assert not heavy, heavy\n"
         "assert TRAIN_DATASET_KEY == 'train'\n"
     )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
-                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert completed.returncode == 0, completed.stderr
 
 
@@ -297,8 +333,14 @@ def test_integration_modules_load_on_first_use() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_ray_train_api_map_is_up_to_date() -> None:
-    completed = subprocess.run([sys.executable, str(REPO_ROOT / "docs" / "make_ray_train_api.py"), "--check"],
-                               capture_output=True, text=True, timeout=50)
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "docs" / "make_ray_train_api.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert completed.returncode == 0, (
-        "docs/ray_train_api.md is stale: run `python docs/make_ray_train_api.py`\n" + completed.stdout + completed.stderr
+        "docs/ray_train_api.md is stale: run `python docs/make_ray_train_api.py`\n"
+        + completed.stdout
+        + completed.stderr
     )

@@ -29,9 +29,13 @@ def _gather(value: object) -> list[object]:
     return gathered
 
 
-def _fit(train_fn: Any, storage_path: str, name: str, config: dict | None = None, **checkpointing: Any) -> lockstep.Result:
+def _fit(
+    train_fn: Any, storage_path: str, name: str, config: dict | None = None, **checkpointing: Any
+) -> lockstep.Result:
     return TorchTrainer(
-        train_fn, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+        train_fn,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name=name, storage_path=storage_path, checkpoint_config=CheckpointConfig(**checkpointing)),
     ).fit()
 
@@ -63,8 +67,9 @@ def barrier_then_broadcast(config: dict) -> dict:
     return {"ranks": _gather([saw_marker, first, second(4), third])}
 
 
-def test_barrier_waits_for_every_rank_and_broadcast_hands_out_rank_zeros_object(storage_path: str,
-                                                                                 tmp_path: Path) -> None:
+def test_barrier_waits_for_every_rank_and_broadcast_hands_out_rank_zeros_object(
+    storage_path: str, tmp_path: Path
+) -> None:
     result = _fit(barrier_then_broadcast, storage_path, "collectives", {"marker": str(tmp_path / "marker")})
     expected = [True, {"run_id": "abc", "sizes": [1, 2]}, 40, 0]
     assert result.return_value["ranks"] == [expected, expected]
@@ -82,20 +87,28 @@ def barrier_against_report() -> None:
         lockstep.report({"step": 0})
 
 
-@pytest.mark.parametrize("train_fn, expected", [
-    (skip_the_barrier_on_rank_zero, "returned from the train function while rank(s) 1 wait in barrier()"),
-    (barrier_against_report, "waits in report #0 while rank(s) 0 wait in barrier()"),
-])
-def test_ranks_that_dont_meet_in_a_barrier_fail_the_run_instead_of_hanging(storage_path: str, train_fn: Any,
-                                                                           expected: str) -> None:
+@pytest.mark.parametrize(
+    "train_fn, expected",
+    [
+        (skip_the_barrier_on_rank_zero, "returned from the train function while rank(s) 1 wait in barrier()"),
+        (barrier_against_report, "waits in report #0 while rank(s) 0 wait in barrier()"),
+    ],
+)
+def test_ranks_that_dont_meet_in_a_barrier_fail_the_run_instead_of_hanging(
+    storage_path: str, train_fn: Any, expected: str
+) -> None:
     with pytest.raises(TrainingFailedError, match="ReportMismatch") as caught:
         _fit(train_fn, storage_path, "mismatch")
     assert expected in str(caught.value)
 
 
 def test_outside_a_run_the_new_functions_say_where_they_work() -> None:
-    for call in (barrier, lambda: broadcast_from_rank_zero(1), get_all_reported_checkpoints,
-                 lambda: lockstep.report({}, delete_local_checkpoint_after_upload=True)):
+    for call in (
+        barrier,
+        lambda: broadcast_from_rank_zero(1),
+        get_all_reported_checkpoints,
+        lambda: lockstep.report({}, delete_local_checkpoint_after_upload=True),
+    ):
         with pytest.raises(SessionNotActiveError, match="train function"):
             call()
 
@@ -118,14 +131,26 @@ def report_and_list_checkpoints() -> dict:
         with tempfile.TemporaryDirectory() as folder:
             checkpoint = _write_checkpoint(folder, rank, step) if step != 1 else None
             if step == 2:
-                lockstep.report({"step": step}, checkpoint=checkpoint, checkpoint_upload_mode="ASYNC",
-                                checkpoint_upload_fn=_slow_upload_into_the_run_folder)
+                lockstep.report(
+                    {"step": step},
+                    checkpoint=checkpoint,
+                    checkpoint_upload_mode="ASYNC",
+                    checkpoint_upload_fn=_slow_upload_into_the_run_folder,
+                )
             else:
                 lockstep.report({"step": step}, checkpoint=checkpoint)
         reported = get_all_reported_checkpoints()
         assert all(isinstance(item, ReportedCheckpoint) for item in reported)
-        seen.append([(item.metrics, sorted(os.listdir(item.checkpoint.path)),
-                      Path(item.checkpoint.path, f"rank{rank}.txt").read_text()) for item in reported])
+        seen.append(
+            [
+                (
+                    item.metrics,
+                    sorted(os.listdir(item.checkpoint.path)),
+                    Path(item.checkpoint.path, f"rank{rank}.txt").read_text(),
+                )
+                for item in reported
+            ]
+        )
     return {"ranks": _gather(seen), "last": reported[-1].checkpoint.path}
 
 
@@ -136,7 +161,7 @@ def test_every_rank_lists_the_kept_checkpoints_in_order_once_uploads_are_done(st
         return [({"step": step}, ["rank0.txt", "rank1.txt"]) for step in steps]
 
     expected = [listed(0), listed(0), listed(0, 2), listed(2, 3)]  # step 1 had no checkpoint; num_to_keep=2
-    for rank, seen in enumerate(result.return_value["ranks"]):
+    for seen in result.return_value["ranks"]:
         assert [[entry[:2] for entry in after] for after in seen] == [
             [(metrics, files) for metrics, files in after] for after in expected
         ]
@@ -156,19 +181,27 @@ def report_with_and_without_deleting(config: dict) -> dict:
     still_there = []
     for step, (mode, delete) in enumerate(cases):
         folder = tempfile.mkdtemp(dir=config["scratch"])
-        lockstep.report({"step": step}, checkpoint=_write_checkpoint(folder, rank, step),
-                        checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=delete)
+        lockstep.report(
+            {"step": step},
+            checkpoint=_write_checkpoint(folder, rank, step),
+            checkpoint_upload_mode=mode,
+            delete_local_checkpoint_after_upload=delete,
+        )
         still_there.append(os.path.isdir(folder))
     try:  # a folder holding the run folder is refused before anything is written
-        lockstep.report({"step": 9}, checkpoint=Checkpoint.from_directory(config["storage_path"]),
-                        delete_local_checkpoint_after_upload=True)
+        lockstep.report(
+            {"step": 9},
+            checkpoint=Checkpoint.from_directory(config["storage_path"]),
+            delete_local_checkpoint_after_upload=True,
+        )
     except ValueError as error:
         refused = str(error)
     return {"ranks": _gather(still_there), "refused": refused}
 
 
-def test_delete_local_checkpoint_after_upload_removes_the_folder_and_the_default_is_rays(storage_path: str,
-                                                                                       tmp_path: Path) -> None:
+def test_delete_local_checkpoint_after_upload_removes_the_folder_and_the_default_is_rays(
+    storage_path: str, tmp_path: Path
+) -> None:
     config = {"scratch": str(tmp_path), "storage_path": storage_path}
     result = _fit(report_with_and_without_deleting, storage_path, "deleting", config)
     # Ray's defaults: kept after a SYNC upload, deleted after an ASYNC one.
@@ -190,18 +223,27 @@ def _upload_elsewhere(checkpoint: Checkpoint, dir_name: str) -> Checkpoint:
 def report_through_an_upload_fn() -> dict:
     rank = lockstep.get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as folder:
-        lockstep.report({"step": 0}, checkpoint=_write_checkpoint(folder, rank, 0),
-                        checkpoint_dir_name="mine", checkpoint_upload_fn=_upload_elsewhere)
-    return {"latest": lockstep.get_checkpoint().path,
-            "listed": [item.checkpoint.path for item in get_all_reported_checkpoints()]}
+        lockstep.report(
+            {"step": 0},
+            checkpoint=_write_checkpoint(folder, rank, 0),
+            checkpoint_dir_name="mine",
+            checkpoint_upload_fn=_upload_elsewhere,
+        )
+    return {
+        "latest": lockstep.get_checkpoint().path,
+        "listed": [item.checkpoint.path for item in get_all_reported_checkpoints()],
+    }
 
 
-def test_checkpoint_upload_fn_uploads_and_its_checkpoint_is_what_the_run_records(storage_path: str,
-                                                                                 tmp_path: Path) -> None:
+def test_checkpoint_upload_fn_uploads_and_its_checkpoint_is_what_the_run_records(
+    storage_path: str, tmp_path: Path
+) -> None:
     elsewhere = tmp_path / "elsewhere"
     result = TorchTrainer(
-        report_through_an_upload_fn, scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="upload_fn", storage_path=storage_path), metadata={"elsewhere": str(elsewhere)},
+        report_through_an_upload_fn,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="upload_fn", storage_path=storage_path),
+        metadata={"elsewhere": str(elsewhere)},
     ).fit()
     uploaded = elsewhere / "mine"
     assert sorted(os.listdir(uploaded)) == ["rank0.txt", "rank1.txt", "uploaded_by_0", "uploaded_by_1"]

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -19,8 +18,12 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 def run_script(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
     completed = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **env}, cwd=REPO_ROOT,
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
     )
     assert completed.returncode == 0, f"exit {completed.returncode}\n{completed.stdout}\n{completed.stderr}"
     return completed
@@ -29,8 +32,9 @@ def run_script(args: list[str], timeout: float, **env: str) -> subprocess.Comple
 @pytest.mark.timeout(120)
 def test_script_without_main_guard_runs_once(tmp_path: Path) -> None:
     runs_file = tmp_path / "runs.txt"
-    completed = run_script([str(SCRIPTS / "no_main_guard.py"), str(tmp_path / "results")], 110,
-                           SCRIPT_RUNS_FILE=str(runs_file))
+    completed = run_script(
+        [str(SCRIPTS / "no_main_guard.py"), str(tmp_path / "results")], 110, SCRIPT_RUNS_FILE=str(runs_file)
+    )
     metrics = json.loads(completed.stdout.split("RESULT ", 1)[1])
     assert metrics["epoch"] == 1 and metrics["world"] == 2
     assert len(runs_file.read_text().splitlines()) == 1, "the script body ran again in a worker"
@@ -40,8 +44,12 @@ def test_script_without_main_guard_runs_once(tmp_path: Path) -> None:
 def test_script_failure_shows_the_script_path_and_line(tmp_path: Path) -> None:
     script = SCRIPTS / "no_main_guard.py"
     completed = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "results")], capture_output=True, text=True, timeout=110,
-        env={**os.environ, "SCRIPT_RUNS_FILE": str(tmp_path / "runs"), "FAIL_IN_TRAIN": "rank code"}, cwd=REPO_ROOT,
+        [sys.executable, str(script), str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "SCRIPT_RUNS_FILE": str(tmp_path / "runs"), "FAIL_IN_TRAIN": "rank code"},
+        cwd=REPO_ROOT,
     )
     assert completed.returncode != 0
     assert "WorkerGroupError: Training failed on rank" in completed.stderr
@@ -51,16 +59,32 @@ def test_script_failure_shows_the_script_path_and_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("example, expected", [
-    ("fashion_mnist_mlp.py", "Last result: {'epoch': 0"),
-    ("fashion_mnist_resnet18.py", "Test accuracy: "),
-])
+@pytest.mark.parametrize(
+    "example, expected",
+    [
+        ("fashion_mnist_mlp.py", "Last result: {'epoch': 0"),
+        ("fashion_mnist_resnet18.py", "Test accuracy: "),
+    ],
+)
 def test_example_on_a_subset(example: str, expected: str, tmp_path: Path, data_dir: Path) -> None:
     plot = tmp_path / "curves.png"
     completed = run_script(
-        [str(REPO_ROOT / "examples" / example), "--smoke-test", "--epochs", "1", "--num-workers", "2",
-         "--data-dir", str(data_dir), "--storage-path", str(tmp_path / "results"), "--name", "example",
-         "--plot", str(plot)],
+        [
+            str(REPO_ROOT / "examples" / example),
+            "--smoke-test",
+            "--epochs",
+            "1",
+            "--num-workers",
+            "2",
+            "--data-dir",
+            str(data_dir),
+            "--storage-path",
+            str(tmp_path / "results"),
+            "--name",
+            "example",
+            "--plot",
+            str(plot),
+        ],
         230,
     )
     assert expected in completed.stdout
@@ -76,7 +100,11 @@ def test_workers_die_with_a_killed_driver_and_the_run_resumes(tmp_path: Path) ->
 
     from conftest import tagged_processes, tagged_processes_after, wait_for_first_report
 
-    script, results, stop_file = str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results"), tmp_path / "stop"
+    script, results, stop_file = (
+        str(SCRIPTS / "report_then_train_forever.py"),
+        str(tmp_path / "results"),
+        tmp_path / "stop",
+    )
     reports = tmp_path / "results" / "forever" / "reports.jsonl"
     driver = subprocess.Popen([sys.executable, script, results, str(stop_file)])
     try:
@@ -101,8 +129,12 @@ def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> N
     from conftest import sigint_raises, tagged_processes_after
 
     run = tmp_path / "results" / "forever"
-    driver = subprocess.Popen([sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")],
-                              stderr=subprocess.PIPE, text=True, preexec_fn=sigint_raises)
+    driver = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "report_then_train_forever.py"), str(tmp_path / "results")],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_raises,
+    )
     try:
         deadline = time.monotonic() + 90
         while not (run / "reports.jsonl").exists() or not (run / "reports.jsonl").read_text().endswith("\n"):
@@ -122,8 +154,12 @@ def test_ctrl_c_stops_workers_and_marks_the_run_interrupted(tmp_path: Path) -> N
 
 @pytest.mark.timeout(150)
 def test_seed_003_script_runs_after_an_import_swap(tmp_path: Path, data_dir: Path) -> None:
-    completed = run_script([str(SCRIPTS / "seed_003_lockstep.py"), "--num-workers", "2", "--address", "none"], 140,
-                           LOCKSTEP_DATA=str(data_dir), HOME=str(tmp_path))
+    completed = run_script(
+        [str(SCRIPTS / "seed_003_lockstep.py"), "--num-workers", "2", "--address", "none"],
+        140,
+        LOCKSTEP_DATA=str(data_dir),
+        HOME=str(tmp_path),
+    )
     assert "Test Error:" in completed.stdout and "Accuracy:" in completed.stdout
     assert "Last result: {'loss': " in completed.stdout
     runs = list((tmp_path / "lockstep_results").iterdir())
@@ -136,7 +172,9 @@ def test_progress_line_in_a_pipe_is_plain_lines(tmp_path: Path) -> None:
     completed = run_script([script, str(tmp_path / "a")], 100)
     lines = completed.stderr.splitlines()
     assert "lockstep progress | report 0 | " in lines[0] and "2/2 workers | step=0 loss=1" in lines[0]
-    assert lines[-1].startswith("lockstep progress | report 2 | ") and lines[-1].endswith("step=2 loss=0.3333 | finished")
+    assert lines[-1].startswith("lockstep progress | report 2 | ") and lines[-1].endswith(
+        "step=2 loss=0.3333 | finished"
+    )
     assert "\r" not in completed.stderr
     assert completed.stdout.splitlines() == ["rank 0 says 0", "rank 0 says 1", "rank 0 says 2"]
     quiet = run_script([script, str(tmp_path / "b"), "0"], 100)
@@ -176,7 +214,7 @@ def as_shown(line: str) -> str:
     for segment in line.split("\r"):
         cleared = segment.startswith("\x1b[K")
         segment = segment.replace("\x1b[K", "")
-        screen = segment if cleared else segment + screen[len(segment):]
+        screen = segment if cleared else segment + screen[len(segment) :]
     return screen
 
 
@@ -203,8 +241,13 @@ def _read_or_empty(fd: int) -> bytes:
 
 
 def torchrun(*args: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
 
 
 def rank_results(stdout: str) -> dict[int, dict]:
@@ -220,7 +263,16 @@ def assert_every_rank_got_rank_0s_result(ranks: dict[int, dict]) -> None:
     """Each rank's fit() returned a Result of the same run: same folder, metrics, checkpoints,
     history (the return value is rank 0's own)."""
     assert sorted(ranks) == [0, 1], "every rank's fit() must return"
-    compared = ("path", "metrics", "checkpoint", "checkpoint_files", "best_checkpoints", "history", "num_failures", "error")
+    compared = (
+        "path",
+        "metrics",
+        "checkpoint",
+        "checkpoint_files",
+        "best_checkpoints",
+        "history",
+        "num_failures",
+        "error",
+    )
     for key in compared:
         assert ranks[1][key] == ranks[0][key], f"rank 1's Result.{key} differs from rank 0's"
     assert ranks[0]["error"] is None and ranks[0]["checkpoint"] is not None
@@ -237,12 +289,21 @@ JOB = str(SCRIPTS / "torchrun_job.py")
 
 @pytest.mark.timeout(150)
 def test_under_torchrun_the_train_function_runs_in_torchrun_processes(tmp_path: Path) -> None:
-    completed = torchrun("--max-restarts=0", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--rdzv_id=job42",
-                         JOB, str(tmp_path), "--default-name")
+    completed = torchrun(
+        "--max-restarts=0",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        "--rdzv_id=job42",
+        JOB,
+        str(tmp_path),
+        "--default-name",
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     ranks = rank_results(completed.stdout)
     assert_every_rank_got_rank_0s_result(ranks)
-    assert ranks[0]["metrics"]["pids"] == [ranks[0]["pid"], ranks[1]["pid"]], "the train function ran in other processes"
+    assert ranks[0]["metrics"]["pids"] == [ranks[0]["pid"], ranks[1]["pid"]], (
+        "the train function ran in other processes"
+    )
     assert ranks[0]["metrics"]["step"] == 1 and ranks[0]["metrics"]["sum"] == 2.0
     assert ranks[0]["checkpoint_files"] == {"rank0.txt": "1", "rank1.txt": "1"}
     assert ranks[0]["return_value"] == ranks[0]["pid"]
@@ -255,8 +316,14 @@ def test_under_torchrun_the_train_function_runs_in_torchrun_processes(tmp_path: 
 @pytest.mark.timeout(150)
 def test_under_torchrun_without_a_run_id_every_rank_uses_rank_0s_run_name(tmp_path: Path) -> None:
     # torchrun's static rendezvous gives no run id (TORCHELASTIC_RUN_ID=none), as a plain launcher would
-    completed = torchrun("--max-restarts=0", "--rdzv_backend=static", f"--master_port={free_port()}",
-                         JOB, str(tmp_path), "--default-name")
+    completed = torchrun(
+        "--max-restarts=0",
+        "--rdzv_backend=static",
+        f"--master_port={free_port()}",
+        JOB,
+        str(tmp_path),
+        "--default-name",
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     ranks = rank_results(completed.stdout)
     assert_every_rank_got_rank_0s_result(ranks)
@@ -283,7 +350,10 @@ def test_under_torchrun_a_restarted_group_continues_the_run(tmp_path: Path) -> N
     assert ranks[0]["history"] == [[0, 0, None], [1, 1, None], [2, 2, 1], [3, 3, 1]]
     assert ranks[0]["metrics"]["step"] == 3 and ranks[0]["metrics"]["resumed_from"] == 1
     assert ranks[0]["checkpoint_files"] == {"rank0.txt": "3", "rank1.txt": "3"}
-    history = [json.loads(line)["metrics"]["step"] for line in (tmp_path / "torchrun" / "reports.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line)["metrics"]["step"]
+        for line in (tmp_path / "torchrun" / "reports.jsonl").read_text().splitlines()
+    ]
     assert history == [0, 1, 2, 3]
 
 
@@ -295,7 +365,7 @@ def test_under_torchrun_a_hung_rank_is_named_with_where_every_rank_is(tmp_path: 
     assert record["status"] == "failed"
     # rank 0's fit() raises the run's error (torchrun shows its stderr, each line headed "[rank0]: ")
     stderr = "\n".join(line.removeprefix("[rank0]: ") for line in completed.stderr.splitlines())
-    error = stderr[stderr.index("Training failed on rank 1"):]
+    error = stderr[stderr.index("Training failed on rank 1") :]
     assert "rank 1: Hang: no rank has made progress for" in error
     assert "this rank is in no collective while rank 0 waits in report #2" in error
     # the stacks come from the ranks themselves (torchrun's processes can't be signalled from rank 0)

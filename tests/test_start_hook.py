@@ -25,12 +25,15 @@ children = open(f"/proc/self/task/{os.getpid()}/children").read().split()
 print("FIRST", json.dumps({"early": "lock" "step" in sys.modules, "children": len(children)}))
 """
 
-TRAINING_SCRIPT = FIRST_LINE + """\
+TRAINING_SCRIPT = (
+    FIRST_LINE
+    + """\
 import torch
 from lockstep.torch import TorchTrainer
 from lockstep._internal.warm import warm_start
 print("WARM", warm_start.warm_process_pid())
 """
+)
 
 
 def first_line(completed: subprocess.CompletedProcess[str]) -> dict:
@@ -47,14 +50,19 @@ class LayeredVenv:
         self.python = str(root / "bin" / "python")
         self.site_packages = subprocess.run(
             [self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
         if with_lockstep:  # "aaa": read before the hook's file, as an installed lockstep would be there
             ours = sysconfig.get_paths()["purelib"]
             Path(self.site_packages, "aaa-this-venv.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
 
     def run(self, *arguments: str, **env: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([self.python, *arguments], capture_output=True, text=True, timeout=90,
-                              env={**os.environ, **env})
+        return subprocess.run(
+            [self.python, *arguments], capture_output=True, text=True, timeout=90, env={**os.environ, **env}
+        )
 
 
 @pytest.fixture
@@ -137,8 +145,9 @@ def test_a_script_read_from_a_pipe_is_left_to_python(venv: LayeredVenv, tmp_path
     assert (completed.returncode, completed.stdout) == (0, "ran False\n"), completed.stderr
 
 
-
-def run_hooked(venv: LayeredVenv, tmp_path: Path, text: str, fast_exit: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_hooked(
+    venv: LayeredVenv, tmp_path: Path, text: str, fast_exit: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Run ``text`` (one of test_fast_exit's scripts) as ``python job.py OUT`` with the hook installed."""
     start_hook.install(venv.site_packages)
     script = tmp_path / "job.py"
@@ -151,9 +160,12 @@ def run_hooked(venv: LayeredVenv, tmp_path: Path, text: str, fast_exit: str) -> 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("fast_exit", "ending"), [("1", "exit"), ("1", "raise"), ("0", "exit")])
-def test_a_hooked_script_ends_as_under_python_s_own_exit(venv: LayeredVenv, tmp_path: Path, fast_exit: str,
-                                                         ending: str) -> None:
-    text = test_fast_exit.SCRIPT if ending == "exit" else test_fast_exit.SCRIPT.replace("sys.exit(3)", "raise OSError(5)")
+def test_a_hooked_script_ends_as_under_python_s_own_exit(
+    venv: LayeredVenv, tmp_path: Path, fast_exit: str, ending: str
+) -> None:
+    text = (
+        test_fast_exit.SCRIPT if ending == "exit" else test_fast_exit.SCRIPT.replace("sys.exit(3)", "raise OSError(5)")
+    )
     completed, out = run_hooked(venv, tmp_path, text, fast_exit)
     assert completed.returncode == (3 if ending == "exit" else 1), completed.stderr
     assert ending == "exit" or completed.stderr.rstrip().endswith("OSError: 5"), completed.stderr

@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fault_proxy import FaultProxy
+from s3_server import s3_environment, s3_server
+from storage_faults import closed_port, mount_unavailable_reason, resize, small_filesystem
 
 import lockstep
 from lockstep import Checkpoint, FailureConfig, Result, RunConfig, ScalingConfig, StorageFullError, TrainingFailedError
@@ -26,9 +29,6 @@ from lockstep._internal.persist.retry import Outage, StorageRetry
 from lockstep._internal.persist.retry_counts import retry_counts
 from lockstep.errors import StorageUnreachableError
 from lockstep.torch import TorchTrainer
-from fault_proxy import FaultProxy
-from s3_server import s3_environment, s3_server
-from storage_faults import closed_port, mount_unavailable_reason, resize, small_filesystem
 
 RETRY_LOGGER = "lockstep._internal.persist.retry"
 
@@ -62,8 +62,11 @@ def one_try_s3fs(endpoint: str):  # noqa: ANN201 - s3fs is untyped
     """An s3fs filesystem that tries each request once, so the client's own error comes out."""
     import s3fs
 
-    filesystem = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=endpoint,
-                                   config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 5})
+    filesystem = s3fs.S3FileSystem(
+        skip_instance_cache=True,
+        endpoint_url=endpoint,
+        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 5},
+    )
     filesystem.retries = 1
     return filesystem
 
@@ -71,9 +74,14 @@ def one_try_s3fs(endpoint: str):  # noqa: ANN201 - s3fs is untyped
 def one_try_pyarrow(endpoint: str):  # noqa: ANN201 - pyarrow.fs is untyped
     import pyarrow.fs as pafs
 
-    return pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="lockstep-test",
-                             secret_key="lockstep-test", region="us-east-1",
-                             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint,
+        scheme="http",
+        access_key="lockstep-test",
+        secret_key="lockstep-test",
+        region="us-east-1",
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+    )
 
 
 def raised(action) -> BaseException:  # noqa: ANN001
@@ -114,8 +122,10 @@ def test_errors_of_real_clients_are_classified(proxied_s3: FaultProxy, small_dis
         transient["pyarrow, SlowDown"] = raised(lambda: pyarrow_put(one_try_pyarrow(proxied_s3.url), "runs/a"))
     finally:
         proxied_s3.slow_down = False
-    answer = {"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
-              "ResponseMetadata": {"HTTPStatusCode": 403}}
+    answer = {
+        "Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+        "ResponseMetadata": {"HTTPStatusCode": 403},
+    }
     permanent = {
         "s3fs, no such bucket": raised(lambda: one_try_s3fs(proxied_s3.url).pipe_file("no-such-bucket/a", b"x")),
         "pyarrow, no such bucket": raised(lambda: pyarrow_put(one_try_pyarrow(proxied_s3.url), "no-such-bucket/a")),
@@ -249,8 +259,11 @@ def train_through_an_outage(config: dict) -> None:
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, f"rank{rank}.bin").write_bytes(payload(step, rank))
             mode = "ASYNC" if step in config["async_steps"] else "SYNC"
-            lockstep.report({"step": step, "at": time.time()}, checkpoint=Checkpoint.from_directory(folder),
-                            checkpoint_upload_mode=mode)
+            lockstep.report(
+                {"step": step, "at": time.time()},
+                checkpoint=Checkpoint.from_directory(folder),
+                checkpoint_upload_mode=mode,
+            )
 
 
 def whole(checkpoint: Checkpoint, step: int) -> bool:
@@ -262,17 +275,24 @@ def whole(checkpoint: Checkpoint, step: int) -> bool:
 def test_a_two_worker_run_rides_out_an_outage_and_resets(
     proxied_s3: FaultProxy, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = {"steps": 8, "outage_at": 1, "outage_s": 15, "async_steps": [1, 2, 3, 6],
-              "control_port": proxied_s3.control_port}
+    config = {
+        "steps": 8,
+        "outage_at": 1,
+        "outage_s": 15,
+        "async_steps": [1, 2, 3, 6],
+        "control_port": proxied_s3.control_port,
+    }
     before = retry_counts()
     # ranks retrying for 15 s are making progress: a 6 s hang threshold must not fire
     hang_after_6_s = FailureConfig(hang_timeout_s=6, hang_first_step_timeout_s=6)
     with caplog.at_level(logging.WARNING, logger=RETRY_LOGGER):
-        result = TorchTrainer(train_through_an_outage, train_loop_config=config,
-                              scaling_config=ScalingConfig(num_workers=2),
-                              run_config=RunConfig(name="outage", storage_path="s3://runs/faults",
-                                                   failure_config=hang_after_6_s)).fit()
-    (outage_start, outage_end), = proxied_s3.outages
+        result = TorchTrainer(
+            train_through_an_outage,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name="outage", storage_path="s3://runs/faults", failure_config=hang_after_6_s),
+        ).fit()
+    ((outage_start, outage_end),) = proxied_s3.outages
     assert outage_end is not None and proxied_s3.resets > 0, "the outage and the resets happened"
     history = result.metrics_dataframe
     assert list(history["report_index"]) == list(range(8)), "every report recorded once"
@@ -322,8 +342,12 @@ def fill_the_disk(config: dict) -> None:
 @pytest.mark.timeout(150)
 def test_a_full_disk_ends_the_run_naming_it_and_a_rerun_continues(small_disk: Path) -> None:
     run_config = RunConfig(name="full", storage_path=str(small_disk))
-    trainer = TorchTrainer(fill_the_disk, train_loop_config={"steps": 4},
-                           scaling_config=ScalingConfig(num_workers=2), run_config=run_config)
+    trainer = TorchTrainer(
+        fill_the_disk,
+        train_loop_config={"steps": 4},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=run_config,
+    )
     with pytest.raises(TrainingFailedError) as raised:
         trainer.fit()
     message = str(raised.value)
@@ -338,8 +362,12 @@ def test_a_full_disk_ends_the_run_naming_it_and_a_rerun_continues(small_disk: Pa
     assert not list(run.glob("*.tmp")), "no half-written record stays"
 
     resize(small_disk, "16m")
-    resumed = TorchTrainer(fill_the_disk, train_loop_config={"steps": 2},
-                           scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+    resumed = TorchTrainer(
+        fill_the_disk,
+        train_loop_config={"steps": 2},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=run_config,
+    ).fit()
     assert list(resumed.metrics_dataframe["step"]) == [0, 1, 2, 3], "continued from checkpoint_000001"
     assert list(resumed.metrics_dataframe["report_index"]) == [0, 1, 2, 3]
     with resumed.checkpoint.as_directory() as folder:
@@ -371,11 +399,18 @@ def test_a_resumed_run_reads_its_checkpoint_through_an_outage_without_being_name
 ) -> None:
     # longer than botocore's own retries can span (4 waits, under 1 + 2 + 4 + 8 s): lockstep's own retry rides it out
     config = {"control_port": proxied_s3.control_port, "outage_s": 15}
-    run_config = RunConfig(name="resume", storage_path="s3://runs/faults",
-                           failure_config=FailureConfig(hang_timeout_s=4, hang_first_step_timeout_s=4))
+    run_config = RunConfig(
+        name="resume",
+        storage_path="s3://runs/faults",
+        failure_config=FailureConfig(hang_timeout_s=4, hang_first_step_timeout_s=4),
+    )
     for _ in range(2):
-        result = TorchTrainer(resume_through_an_outage, train_loop_config=config,
-                              scaling_config=ScalingConfig(num_workers=2), run_config=run_config).fit()
+        result = TorchTrainer(
+            resume_through_an_outage,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=run_config,
+        ).fit()
     assert result.metrics == {"step": 1, "resumed_whole": True}
     record = json.loads(result.filesystem.cat_file("runs/faults/resume/lockstep_run.json"))
     outages = record["storage_outages"]

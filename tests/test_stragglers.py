@@ -55,7 +55,9 @@ def test_the_cause_is_the_share_in_which_the_slow_rank_exceeds_the_others() -> N
 
 @pytest.mark.parametrize(("world_size", "slow_rank"), [(3, 1), (4, 2), (4, 1)])
 @pytest.mark.parametrize("cause", ["data", "compute"])
-def test_a_slow_rank_in_the_middle_of_3_or_4_is_named_for_its_cause(world_size: int, slow_rank: int, cause: str) -> None:
+def test_a_slow_rank_in_the_middle_of_3_or_4_is_named_for_its_cause(
+    world_size: int, slow_rank: int, cause: str
+) -> None:
     fast = times(1.0, data=0.05, collective=0.45)
     slow_times = times(1.0, data=0.50, collective=0.02) if cause == "data" else times(1.0, data=0.05, collective=0.02)
     report = {str(rank): (slow_times if rank == slow_rank else fast) for rank in range(world_size)}
@@ -169,7 +171,9 @@ def train_func(config: dict[str, Any]) -> None:
 def run(storage_path: str, name: str, num_workers: int = 2, **config: Any) -> str:
     settings = {"slow_rank": 1, "data_delay_s": 0.0, "forward_delay_s": 0.0, "everyone": False, **config}
     TorchTrainer(
-        train_func, train_loop_config=settings, scaling_config=ScalingConfig(num_workers=num_workers),
+        train_func,
+        train_loop_config=settings,
+        scaling_config=ScalingConfig(num_workers=num_workers),
         run_config=RunConfig(name=name, storage_path=storage_path, verbose=0),
     ).fit()
     return run_summary(open_run(name, storage_path))
@@ -200,10 +204,16 @@ def test_a_rank_slowed_in_its_forward_pass_is_named(storage_path: str) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("num_workers", "slow_rank"), [(3, 1), (4, 2)])
 @pytest.mark.parametrize(("cause", "shown_cause"), [("data", "data loading"), ("forward", "compute")])
-def test_a_slow_rank_that_is_neither_first_nor_last_is_named(storage_path: str, num_workers: int, slow_rank: int,
-                                                            cause: str, shown_cause: str) -> None:
-    shown = run(storage_path, f"slow_{cause}_{num_workers}", num_workers=num_workers, slow_rank=slow_rank,
-                **{f"{cause}_delay_s": DELAY_S})
+def test_a_slow_rank_that_is_neither_first_nor_last_is_named(
+    storage_path: str, num_workers: int, slow_rank: int, cause: str, shown_cause: str
+) -> None:
+    shown = run(
+        storage_path,
+        f"slow_{cause}_{num_workers}",
+        num_workers=num_workers,
+        slow_rank=slow_rank,
+        **{f"{cause}_delay_s": DELAY_S},
+    )
     assert f"slowest: rank {slow_rank} — {shown_cause}" in shown, shown
     step_times = recorded_step_times(storage_path, f"slow_{cause}_{num_workers}")
     assert all(set(ranks) == {str(rank) for rank in range(num_workers)} for ranks in step_times)
@@ -229,7 +239,8 @@ def own_hook_train_func(config: dict[str, Any]) -> None:
 @pytest.mark.timeout(90)
 def test_a_users_own_comm_hook_replaces_the_timing_hook(storage_path: str) -> None:
     result = TorchTrainer(
-        own_hook_train_func, scaling_config=ScalingConfig(num_workers=2),
+        own_hook_train_func,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="own_hook", storage_path=storage_path, verbose=0),
     ).fit()
     assert result.metrics is not None and result.metrics["hooks"] == 1

@@ -39,17 +39,27 @@ def count_down(config: dict[str, Any]) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as folder:
                 Path(folder, f"rank{context.get_world_rank()}.txt").write_text(str(step))
                 Path(folder, "state.json").write_text(json.dumps({"next": step + 1}))
-                mode = lockstep.CheckpointUploadMode.ASYNC if config.get("async") else lockstep.CheckpointUploadMode.SYNC
+                mode = (
+                    lockstep.CheckpointUploadMode.ASYNC if config.get("async") else lockstep.CheckpointUploadMode.SYNC
+                )
                 lockstep.report(metrics, checkpoint=Checkpoint.from_directory(folder), checkpoint_upload_mode=mode)
         else:
             lockstep.report(metrics)
     return {"ran_to_the_end": True}
 
 
-def fit(storage_path: str, name: str, losses: list[float], workers: int = 2, every: int = 1, upload_async: bool = False,
-        **run_config: Any) -> lockstep.Result:
+def fit(
+    storage_path: str,
+    name: str,
+    losses: list[float],
+    workers: int = 2,
+    every: int = 1,
+    upload_async: bool = False,
+    **run_config: Any,
+) -> lockstep.Result:
     trainer = TorchTrainer(
-        count_down, train_loop_config={"losses": losses, "every": every, "async": upload_async},
+        count_down,
+        train_loop_config={"losses": losses, "every": every, "async": upload_async},
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(name=name, storage_path=storage_path, verbose=0, **run_config),
     )
@@ -132,7 +142,9 @@ def test_a_callback_stops_the_run_and_hears_the_status(storage_path: str) -> Non
 
 @pytest.mark.timeout(60)
 def test_early_stopping_waits_patience_reports_without_improvement(storage_path: str) -> None:
-    result = fit(storage_path, "early", LOSSES, callbacks=[EarlyStopping("loss", mode="min", patience=2, min_delta=0.02)])
+    result = fit(
+        storage_path, "early", LOSSES, callbacks=[EarlyStopping("loss", mode="min", patience=2, min_delta=0.02)]
+    )
     # best 0.45 at step 4 (0.44 is not 0.02 better): steps 5 and 6 wait, the run stops at 6
     assert result.metrics["step"] == 6
     assert "best 0.45 at report #4" in record_of(storage_path, "early")["stop_reason"]
@@ -179,7 +191,9 @@ def test_fits_at_once_share_one_progress_line(monkeypatch: pytest.MonkeyPatch) -
     assert [part.split(" | ")[0] + " | " + part.split(" | ")[-1].strip() for part in shown] == [
         "lockstep first | loss=1",  # report #0 of the first; the second's is not drawn
         "lockstep second | pruned",  # the second fit's end, on a line of its own
-        "lockstep first | loss=1", "lockstep first | loss=0.5", "lockstep first | finished",
+        "lockstep first | loss=1",
+        "lockstep first | loss=0.5",
+        "lockstep first | finished",
     ]
     assert progress._active is None and progress._running == []
 
@@ -205,8 +219,10 @@ def meet_the_other_trial(meet_dir: str, tag: str, other: str) -> None:
     deadline = time.monotonic() + OVERLAP_WAIT_S
     while not Path(meet_dir, other).exists():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"trial {other} did not start within {OVERLAP_WAIT_S} s while trial {tag} ran: "
-                               "the two fits did not overlap")
+            raise RuntimeError(
+                f"trial {other} did not start within {OVERLAP_WAIT_S} s while trial {tag} ran: "
+                "the two fits did not overlap"
+            )
         time.sleep(0.02)
 
 
@@ -220,8 +236,10 @@ def scaled_losses(config: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, f"rank{context.get_world_rank()}.txt").write_text(config["tag"])
             print(f"trial {config['tag']} rank {context.get_world_rank()} step {step}", flush=True)
-            lockstep.report({"loss": config["scale"] * (1 - step / 10), "tag": config["tag"]},
-                            checkpoint=Checkpoint.from_directory(folder))
+            lockstep.report(
+                {"loss": config["scale"] * (1 - step / 10), "tag": config["tag"]},
+                checkpoint=Checkpoint.from_directory(folder),
+            )
 
 
 class RunsSeen(Callback):
@@ -242,12 +260,18 @@ def optuna_objective(storage_path: str, seen: dict[int, RunsSeen], meet_dir: str
         seen[trial.number] = RunsSeen()
         config = {"scale": scale, "tag": f"t{trial.number}", "other": f"t{1 - trial.number}", "meet_dir": meet_dir}
         trainer = TorchTrainer(
-            scaled_losses, train_loop_config=config,
+            scaled_losses,
+            train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=2),
-            run_config=RunConfig(name=f"trial_{trial.number}", storage_path=storage_path, verbose=0,
-                                 callbacks=[lockstep.optuna.PruningCallback(trial, "loss"), seen[trial.number]]),
+            run_config=RunConfig(
+                name=f"trial_{trial.number}",
+                storage_path=storage_path,
+                verbose=0,
+                callbacks=[lockstep.optuna.PruningCallback(trial, "loss"), seen[trial.number]],
+            ),
         )
         return trainer.fit().metrics["loss"]
+
     return objective
 
 
@@ -269,7 +293,9 @@ def test_two_trials_at_once_one_pruned(storage_path: str, tmp_path: Path) -> Non
     assert study.trials[1].intermediate_values == {0: 2.0, 1: pytest.approx(1.8)}
     good, pruned = record_of(storage_path, "trial_0"), record_of(storage_path, "trial_1")
     assert good["status"] == "finished" and good["num_reports"] == 4
-    assert pruned["status"] == "pruned" and pruned["num_reports"] == 2 and "Optuna pruned trial 1" in pruned["stop_reason"]
+    assert (
+        pruned["status"] == "pruned" and pruned["num_reports"] == 2 and "Optuna pruned trial 1" in pruned["stop_reason"]
+    )
     assert pruned["latest_checkpoint"] == "checkpoint_000001"
     # nothing leaks between the two fits: callbacks, checkpoint files, logs
     assert [(s.names, s.tags) for s in (seen[0], seen[1])] == [({"trial_0"}, {"t0"}), ({"trial_1"}, {"t1"})]
@@ -313,8 +339,12 @@ def test_two_local_mode_fits_at_once_are_refused(storage_path: str) -> None:
     first: dict[str, Any] = {}
 
     def run_first() -> None:
-        trainer = TorchTrainer(wait_for, train_loop_config={"event": tried}, scaling_config=ScalingConfig(num_workers=0),
-                               run_config=RunConfig(name="first", storage_path=storage_path, verbose=0))
+        trainer = TorchTrainer(
+            wait_for,
+            train_loop_config={"event": tried},
+            scaling_config=ScalingConfig(num_workers=0),
+            run_config=RunConfig(name="first", storage_path=storage_path, verbose=0),
+        )
         first["result"] = trainer.fit()
 
     thread = threading.Thread(target=run_first)
@@ -333,8 +363,9 @@ def test_two_local_mode_fits_at_once_are_refused(storage_path: str) -> None:
     assert not Path(storage_path, "second", "lockstep_run.json").exists(), "refused before its record was opened"
 
 
-def test_cpus_of_fits_at_once_are_counted_and_said_once(monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_cpus_of_fits_at_once_are_counted_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from lockstep._internal.executors import local_resources
 
     monkeypatch.setattr(local_resources, "_warned_together", False)
@@ -358,8 +389,9 @@ def test_cpus_of_fits_at_once_are_counted_and_said_once(monkeypatch: pytest.Monk
 
 @needs_optuna
 @pytest.mark.timeout(90)
-def test_runs_lists_stopped_and_pruned_and_plot_overlays_runs(storage_path: str, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_runs_lists_stopped_and_pruned_and_plot_overlays_runs(
+    storage_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from lockstep import cli
 
     fit(storage_path, "full", LOSSES[:4])
@@ -372,7 +404,9 @@ def test_runs_lists_stopped_and_pruned_and_plot_overlays_runs(storage_path: str,
     assert table == {"full": "finished", "stopped": "stopped", "pruned": "pruned"}
 
     output = tmp_path / "overlay.png"
-    assert cli.main(["plot", "full", "stopped", "pruned", "--storage", storage_path, "-m", "loss", "-o", str(output)]) == 0
+    assert (
+        cli.main(["plot", "full", "stopped", "pruned", "--storage", storage_path, "-m", "loss", "-o", str(output)]) == 0
+    )
     assert "wrote" in capsys.readouterr().out and output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
@@ -387,8 +421,13 @@ EXAMPLE = REPO / "examples" / "sweep_fashion_mnist.py"
 
 
 def run_example(args: list[str], data_dir: Path, storage_path: str, timeout: float) -> subprocess.Popen[str]:
-    return subprocess.Popen([PYTHON, str(EXAMPLE), "--data-dir", str(data_dir), "--storage-path", storage_path, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    return subprocess.Popen(
+        [PYTHON, str(EXAMPLE), "--data-dir", str(data_dir), "--storage-path", storage_path, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def finished(process: subprocess.Popen[str], timeout: float) -> str:
@@ -402,7 +441,10 @@ def finished(process: subprocess.Popen[str], timeout: float) -> str:
 
 
 def statuses(storage_path: str) -> dict[str, str]:
-    return {path.parent.name: json.loads(path.read_text())["status"] for path in Path(storage_path).glob("*/lockstep_run.json")}
+    return {
+        path.parent.name: json.loads(path.read_text())["status"]
+        for path in Path(storage_path).glob("*/lockstep_run.json")
+    }
 
 
 @needs_optuna
@@ -410,8 +452,9 @@ def statuses(storage_path: str) -> dict[str, str]:
 @pytest.mark.timeout(200)
 def test_sweep_example_smoke_test(storage_path: str, tmp_path: Path, data_dir: Path) -> None:
     plot = tmp_path / "sweep.png"
-    out = finished(run_example(["--smoke-test", "--study-name", "smoke", "--plot", str(plot)], data_dir, storage_path, 190),
-                   190)
+    out = finished(
+        run_example(["--smoke-test", "--study-name", "smoke", "--plot", str(plot)], data_dir, storage_path, 190), 190
+    )
     assert "8 trials in" in out and "best: trial #" in out and f"Plot: {plot}" in out, out
     table = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
     assert len(table) == 8 and {row[3] for row in table} <= {"complete", "pruned"}
@@ -426,8 +469,21 @@ def test_sweep_example_smoke_test(storage_path: str, tmp_path: Path, data_dir: P
 def test_two_driver_processes_work_on_one_sqlite_study(storage_path: str, tmp_path: Path, data_dir: Path) -> None:
     database = f"sqlite:///{tmp_path / 'study.db'}"
     optuna.create_study(study_name="shared", storage=database)  # as `optuna create-study` would, once
-    args = ["--smoke-test", "--epochs", "2", "--trials", "1", "--jobs", "1", "--study-name", "shared",
-            "--study-storage", database, "--plot", ""]
+    args = [
+        "--smoke-test",
+        "--epochs",
+        "2",
+        "--trials",
+        "1",
+        "--jobs",
+        "1",
+        "--study-name",
+        "shared",
+        "--study-storage",
+        database,
+        "--plot",
+        "",
+    ]
     drivers = [run_example([*args, "--seed", str(seed)], data_dir, storage_path, 190) for seed in (1, 2)]
     outputs = [finished(driver, 190) for driver in drivers]
     study = optuna.load_study(study_name="shared", storage=database)

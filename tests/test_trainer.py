@@ -28,8 +28,13 @@ def report_identity(config: dict) -> dict:
     names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"]
     mine = {
         "env": {name: os.environ[name] for name in names},
-        "context": [context.get_world_rank(), context.get_local_rank(), context.get_world_size(),
-                    context.get_local_world_size(), context.get_node_rank()],
+        "context": [
+            context.get_world_rank(),
+            context.get_local_rank(),
+            context.get_world_size(),
+            context.get_local_world_size(),
+            context.get_node_rank(),
+        ],
         "session": [session.get_world_rank(), session.get_world_size(), session.get_local_rank()],
         "name": context.get_experiment_name(),
         "metadata": context.get_metadata(),
@@ -75,10 +80,12 @@ def report_three_times_with_checkpoints() -> None:
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, f"rank{rank}.txt").write_text(f"step {step}")
             checkpoint = Checkpoint.from_directory(folder) if step != 1 else None
-            lockstep.report({"step": step, "rank": rank, "loss": torch.tensor(1.0 / (step + 1))},
-                            checkpoint=checkpoint)
+            lockstep.report({"step": step, "rank": rank, "loss": torch.tensor(1.0 / (step + 1))}, checkpoint=checkpoint)
         latest = lockstep.get_checkpoint()
-        assert latest is not None and Path(latest.path, f"rank{rank}.txt").read_text() == f"step {0 if step == 1 else step}"
+        assert (
+            latest is not None
+            and Path(latest.path, f"rank{rank}.txt").read_text() == f"step {0 if step == 1 else step}"
+        )
 
 
 def test_every_report_recorded_and_checkpoints_merged(storage_path: str) -> None:
@@ -231,15 +238,17 @@ def test_bad_input_is_refused_before_any_worker_starts(storage_path: str) -> Non
         TorchTrainer(report_identity, train_loop_config=[1, 2])  # type: ignore[arg-type]
     lock = threading.Lock()
     trainer = TorchTrainer(
-        report_identity, train_loop_config={"lock": lock},
+        report_identity,
+        train_loop_config={"lock": lock},
         run_config=RunConfig(name="unpicklable", storage_path=storage_path),
     )
     with pytest.raises(TypeError, match=r"train_loop_config\['lock'\] can't be sent to the workers"):
         trainer.fit()
     assert not Path(storage_path, "unpicklable").exists()
     with pytest.raises(ValueError, match="Custom resources are for Ray clusters"):
-        TorchTrainer(report_identity, scaling_config=ScalingConfig(
-            num_workers=1, resources_per_worker={"CPU": 1, "custom": 1.0})).fit()
+        TorchTrainer(
+            report_identity, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1, "custom": 1.0})
+        ).fit()
 
 
 def report_bad_metrics() -> None:
@@ -258,7 +267,9 @@ def seeded_values() -> dict:
 
     lockstep.torch.enable_reproducibility(5)
     return {
-        "torch": torch.rand(3).tolist(), "random": random.random(), "numpy": float(numpy.random.rand()),
+        "torch": torch.rand(3).tolist(),
+        "random": random.random(),
+        "numpy": float(numpy.random.rand()),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
@@ -270,15 +281,19 @@ def test_enable_reproducibility_seeds_everything(storage_path: str) -> None:
     import numpy
 
     result = TorchTrainer(
-        seeded_values, run_config=RunConfig(storage_path=storage_path),
+        seeded_values,
+        run_config=RunConfig(storage_path=storage_path),
         torch_config=lockstep.torch.TorchConfig(init_method="tcp"),
     ).fit()
     torch.manual_seed(5)
     random.seed(5)
     numpy.random.seed(5)
     assert result.return_value == {
-        "torch": torch.rand(3).tolist(), "random": random.random(), "numpy": float(numpy.random.rand()),
-        "deterministic": True, "cublas": ":4096:8",
+        "torch": torch.rand(3).tolist(),
+        "random": random.random(),
+        "numpy": float(numpy.random.rand()),
+        "deterministic": True,
+        "cublas": ":4096:8",
     }
 
 
@@ -352,7 +367,8 @@ def one_rank_stuck_in_all_reduce() -> None:
 
 def test_a_rank_that_never_reports_is_failed_with_every_stack(storage_path: str) -> None:
     trainer = TorchTrainer(
-        one_rank_stuck_in_all_reduce, scaling_config=ScalingConfig(num_workers=2),
+        one_rank_stuck_in_all_reduce,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(report_timeout_s=2)),
     )
     with pytest.raises(TrainingFailedError) as caught:
@@ -375,8 +391,9 @@ def sigkill_rank_one() -> None:
 
 
 def test_a_sigkilled_worker_fails_the_run_with_the_cause(storage_path: str) -> None:
-    trainer = TorchTrainer(sigkill_rank_one, scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(storage_path=storage_path))
+    trainer = TorchTrainer(
+        sigkill_rank_one, scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage_path)
+    )
     with pytest.raises(TrainingFailedError, match=r"rank 1: WorkerDied: the worker process was killed by SIGKILL"):
         trainer.fit()
 
@@ -384,11 +401,13 @@ def test_a_sigkilled_worker_fails_the_run_with_the_cause(storage_path: str) -> N
 def test_requests_no_machine_here_can_meet_are_refused() -> None:
     cpus = os.cpu_count()
     with pytest.raises(ValueError, match=rf"asks for {cpus + 1} CPUs per worker; this machine has {cpus}"):
-        TorchTrainer(report_identity, scaling_config=ScalingConfig(
-            num_workers=1, resources_per_worker={"CPU": cpus + 1})).fit()
+        TorchTrainer(
+            report_identity, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": cpus + 1})
+        ).fit()
     with pytest.raises(ValueError, match="GiB of memory per worker"):
-        TorchTrainer(report_identity, scaling_config=ScalingConfig(
-            num_workers=1, resources_per_worker={"memory": 2**50})).fit()
+        TorchTrainer(
+            report_identity, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"memory": 2**50})
+        ).fit()
 
 
 def report_many() -> dict:
@@ -418,8 +437,11 @@ class DriverMemory(lockstep.callbacks.Callback):
 
 def test_soak_a_thousand_reports_keep_memory_flat(storage_path: str) -> None:
     driver = DriverMemory()
-    result = TorchTrainer(report_many, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=storage_path, callbacks=[driver])).fit()
+    result = TorchTrainer(
+        report_many,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, callbacks=[driver]),
+    ).fit()
     growth = result.return_value["worker_growth_kib"]
     driver_growth = driver.rss_kib[1199] - driver.rss_kib[199]
     print(f"RSS growth over 1,000 reports: rank 0's worker {growth} KiB, the driver {driver_growth} KiB")
@@ -443,9 +465,14 @@ def print_then_die_on_rank_one() -> None:
 
 
 @pytest.mark.parametrize("mode", ["rank0", "all"])
-def test_worker_output_goes_to_log_files_and_the_console(storage_path: str, mode: str, capfd: pytest.CaptureFixture) -> None:
-    trainer = TorchTrainer(print_then_die_on_rank_one, scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(name="logs", storage_path=storage_path, worker_output=mode))
+def test_worker_output_goes_to_log_files_and_the_console(
+    storage_path: str, mode: str, capfd: pytest.CaptureFixture
+) -> None:
+    trainer = TorchTrainer(
+        print_then_die_on_rank_one,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="logs", storage_path=storage_path, worker_output=mode),
+    )
     with pytest.raises(TrainingFailedError) as caught:
         trainer.fit()
     logs = Path(storage_path, "logs", "logs")
@@ -472,8 +499,10 @@ def stuck_in_a_collective_while_rank_zero_computes() -> None:
 
 def test_collective_timeout_names_the_rank_and_shows_where_the_other_was(storage_path: str) -> None:
     trainer = TorchTrainer(
-        stuck_in_a_collective_while_rank_zero_computes, scaling_config=ScalingConfig(num_workers=2),
-        torch_config=lockstep.torch.TorchConfig(timeout_s=3), run_config=RunConfig(storage_path=storage_path),
+        stuck_in_a_collective_while_rank_zero_computes,
+        scaling_config=ScalingConfig(num_workers=2),
+        torch_config=lockstep.torch.TorchConfig(timeout_s=3),
+        run_config=RunConfig(storage_path=storage_path),
     )
     with pytest.raises(TrainingFailedError) as caught:
         trainer.fit()
@@ -501,7 +530,8 @@ def test_large_captured_tensors_are_shared_by_the_workers_not_copied(storage_pat
         dist.all_gather_object(everyone, (mapped_from_payload, float(ones.sum())))
         lockstep.report({"ranks": everyone})
 
-    result = TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=storage_path)).fit()
+    result = TorchTrainer(
+        train_fn, scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage_path)
+    ).fit()
     assert result.metrics["ranks"] == [[True, 2.0 * ones.numel()], [True, float(ones.numel())]]
     assert float(ones.sum()) == ones.numel()

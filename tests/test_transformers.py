@@ -16,6 +16,8 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"  # workers inherit it: nothing may be downloaded
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+from conftest import REPO_ROOT  # noqa: E402
+
 import lockstep  # noqa: E402
 from lockstep import RunConfig, ScalingConfig  # noqa: E402
 from lockstep._internal.rank.rank_env import RankEnv  # noqa: E402
@@ -27,8 +29,6 @@ from lockstep.huggingface.transformers import (  # noqa: E402
     prepare_trainer,
 )
 from lockstep.torch import TorchTrainer  # noqa: E402
-
-from conftest import REPO_ROOT  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,35 +48,63 @@ class RandomTokens(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                "labels": self.labels[index]}
+        return {
+            "input_ids": self.input_ids[index],
+            "attention_mask": torch.ones(SEQ, dtype=torch.long),
+            "labels": self.labels[index],
+        }
 
 
 def tiny_bert() -> Any:
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=37, max_position_embeddings=SEQ, num_labels=2)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(config)
 
 
 def training_args(output_dir: str) -> Any:
     return transformers.TrainingArguments(
-        output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=4, per_device_eval_batch_size=8,
-        eval_strategy="steps", eval_steps=EVAL_STEPS, save_strategy="steps", save_steps=SAVE_STEPS,
-        logging_steps=EVAL_STEPS, learning_rate=1e-3, report_to="none", disable_tqdm=True, seed=0,
+        output_dir=output_dir,
+        max_steps=MAX_STEPS,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        eval_strategy="steps",
+        eval_steps=EVAL_STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        logging_steps=EVAL_STEPS,
+        learning_rate=1e-3,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
     )
 
 
 def train_with_trainer(config: dict[str, Any]) -> dict[str, Any]:
-    trainer = transformers.Trainer(model=tiny_bert(), args=training_args(config["output_dir"]),
-                                   train_dataset=RandomTokens(64, seed=1), eval_dataset=RandomTokens(16, seed=2))
+    trainer = transformers.Trainer(
+        model=tiny_bert(),
+        args=training_args(config["output_dir"]),
+        train_dataset=RandomTokens(64, seed=1),
+        eval_dataset=RandomTokens(16, seed=2),
+    )
     trainer.add_callback(RayTrainReportCallback(report_on=config["report_on"]))
     trainer = prepare_trainer(trainer)
     trainer.train()
     weights = trainer.model.classifier.weight.detach()
-    mine = {"world_size": trainer.args.world_size, "process_index": trainer.args.process_index,
-            "wrapped": type(trainer.model_wrapped).__name__, "classifier_sum": float(weights.abs().sum()),
-            "rank": lockstep.get_context().get_world_rank()}
+    mine = {
+        "world_size": trainer.args.world_size,
+        "process_index": trainer.args.process_index,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "classifier_sum": float(weights.abs().sum()),
+        "rank": lockstep.get_context().get_world_rank(),
+    }
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     return everyone
@@ -130,7 +158,7 @@ def test_report_on_evaluate_adds_a_report_at_every_evaluation(tmp_path: Path) ->
     assert [report["checkpoint_dir_name"] is not None for report in history] == [False, True, False, True]
     eval_losses = [report["eval_loss"] for report in history]
     assert len(set(eval_losses)) == 4, f"every report should carry that step's evaluation: {eval_losses}"
-    for report, step in zip(history[1::2], (SAVE_STEPS, MAX_STEPS)):
+    for report, step in zip(history[1::2], (SAVE_STEPS, MAX_STEPS), strict=True):
         check_save_report(report, result, step)
 
 
@@ -138,6 +166,7 @@ def test_report_on_evaluate_adds_a_report_at_every_evaluation(tmp_path: Path) ->
 def test_report_on_log_reports_every_log_event(tmp_path: Path) -> None:
     result = fit_trainer(tmp_path, report_on="log")
     steps = [(report["step"], report["checkpoint_dir_name"] is not None) for report in result.metrics_history]
+
     def per_eval(step: int) -> list[tuple[int, bool]]:
         return [(step, False), (step, False)]  # the training-loss log, then the evaluation's
 
@@ -153,18 +182,26 @@ def use_accelerate() -> dict[str, Any]:
     model, optimizer = accelerator.prepare(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters()))
     gathered = accelerator.gather(torch.tensor([accelerator.process_index]))
     context = lockstep.get_context()
-    return {"num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
-            "local_process_index": accelerator.local_process_index, "world_rank": context.get_world_rank(),
-            "world_size": context.get_world_size(), "local_rank": context.get_local_rank(),
-            "device": str(accelerator.device), "lockstep_device": str(lockstep.torch.get_device()),
-            "model": type(model).__name__, "gathered": gathered.tolist(),
-            "same_group": accelerator.state.backend == torch.distributed.get_backend()}
+    return {
+        "num_processes": accelerator.num_processes,
+        "process_index": accelerator.process_index,
+        "local_process_index": accelerator.local_process_index,
+        "world_rank": context.get_world_rank(),
+        "world_size": context.get_world_size(),
+        "local_rank": context.get_local_rank(),
+        "device": str(accelerator.device),
+        "lockstep_device": str(lockstep.torch.get_device()),
+        "model": type(model).__name__,
+        "gathered": gathered.tolist(),
+        "same_group": accelerator.state.backend == torch.distributed.get_backend(),
+    }
 
 
 @pytest.mark.timeout(90)
 def test_accelerate_sees_lockstep_process_group_and_devices(tmp_path: Path) -> None:
-    result = TorchTrainer(use_accelerate, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=str(tmp_path))).fit()
+    result = TorchTrainer(
+        use_accelerate, scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=str(tmp_path))
+    ).fit()
     seen = result.return_value
     assert seen["num_processes"] == seen["world_size"] == 2
     assert seen["process_index"] == seen["world_rank"] == 0 and seen["local_process_index"] == seen["local_rank"]
@@ -174,11 +211,27 @@ def test_accelerate_sees_lockstep_process_group_and_devices(tmp_path: Path) -> N
 
 
 def test_rank_env_tells_accelerate_the_device() -> None:
-    cpu_rank = RankEnv(world_rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0,
-                       master_addr="127.0.0.1", master_port=1234)
+    cpu_rank = RankEnv(
+        world_rank=1,
+        world_size=2,
+        local_rank=1,
+        local_world_size=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=1234,
+    )
     assert cpu_rank.variables()["ACCELERATE_USE_CPU"] == "true"
-    gpu_rank = RankEnv(world_rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0,
-                       master_addr="127.0.0.1", master_port=1234, visible_gpus=("4", "6"), gpu_ids=("6",))
+    gpu_rank = RankEnv(
+        world_rank=1,
+        world_size=2,
+        local_rank=1,
+        local_world_size=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=1234,
+        visible_gpus=("4", "6"),
+        gpu_ids=("6",),
+    )
     variables = gpu_rank.variables()
     assert variables["ACCELERATE_TORCH_DEVICE"] == "cuda:1" and "ACCELERATE_USE_CPU" not in variables
 
@@ -221,10 +274,24 @@ def test_prepare_trainer_rejects_other_objects() -> None:
 @pytest.mark.timeout(150)
 def test_example_runs_offline(tmp_path: Path) -> None:
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "examples" / "transformers_text_classification.py"), "--smoke-test",
-         "--num-workers", "2", "--storage-path", str(tmp_path / "results"), "--name", "example",
-         "--output-dir", str(tmp_path / "hf_output")],
-        capture_output=True, text=True, timeout=140, cwd=REPO_ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [
+            sys.executable,
+            str(REPO_ROOT / "examples" / "transformers_text_classification.py"),
+            "--smoke-test",
+            "--num-workers",
+            "2",
+            "--storage-path",
+            str(tmp_path / "results"),
+            "--name",
+            "example",
+            "--output-dir",
+            str(tmp_path / "hf_output"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=REPO_ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert completed.returncode == 0, f"exit {completed.returncode}\n{completed.stdout}\n{completed.stderr}"
     assert "Best checkpoint: " in completed.stdout and "Last result: eval_accuracy=" in completed.stdout
@@ -237,8 +304,15 @@ def train_on_ray_data_batches(config: dict[str, Any]) -> dict[str, Any]:
     train_batches = lockstep.get_dataset_shard("train").iter_torch_batches(batch_size=4)
     eval_batches = lockstep.get_dataset_shard("eval").iter_torch_batches(batch_size=8)
     args = transformers.TrainingArguments(
-        output_dir=config["output_dir"], max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps",
-        save_steps=6, logging_steps=3, report_to="none", disable_tqdm=True,
+        output_dir=config["output_dir"],
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=6,
+        logging_steps=3,
+        report_to="none",
+        disable_tqdm=True,
         per_device_train_batch_size=2,  # what the Trainer would re-batch to without prepare_trainer
     )
     trainer = transformers.Trainer(model=tiny_bert(), args=args, train_dataset=train_batches, eval_dataset=eval_batches)
@@ -256,8 +330,14 @@ def test_prepare_trainer_takes_ray_data_batches_on_the_ray_executor(tmp_path: Pa
 
     def rows(size: int, seed: int) -> list[dict[str, Any]]:
         data = RandomTokens(size, seed)
-        return [{"input_ids": data.input_ids[i].numpy(), "attention_mask": np.ones(SEQ, dtype=np.int64),
-                 "labels": int(data.labels[i])} for i in range(size)]
+        return [
+            {
+                "input_ids": data.input_ids[i].numpy(),
+                "attention_mask": np.ones(SEQ, dtype=np.int64),
+                "labels": int(data.labels[i]),
+            }
+            for i in range(size)
+        ]
 
     tag = os.environ.pop("LOCKSTEP_TEST_TAG")  # Ray's processes outlive the test's check; shut down below
     try:
@@ -266,14 +346,20 @@ def test_prepare_trainer_takes_ray_data_batches_on_the_ray_executor(tmp_path: Pa
         os.environ["LOCKSTEP_TEST_TAG"] = tag
     try:
         datasets = {"train": ray.data.from_items(rows(64, 1)), "eval": ray.data.from_items(rows(16, 2))}
-        result = TorchTrainer(train_on_ray_data_batches, train_loop_config={"output_dir": str(tmp_path / "hf_output")},
-                              datasets=datasets, scaling_config=ScalingConfig(num_workers=2),
-                              run_config=RunConfig(storage_path=str(tmp_path / "results"))).fit()
+        result = TorchTrainer(
+            train_on_ray_data_batches,
+            train_loop_config={"output_dir": str(tmp_path / "hf_output")},
+            datasets=datasets,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(storage_path=str(tmp_path / "results")),
+        ).fit()
     finally:
         ray.shutdown()
     seen = result.return_value
     assert seen["batch_sizes"] == [4] * 8, "each rank's 32 rows, in the shard's own batches of 4"
     assert seen["global_step"] == 6 and seen["world_size"] == 2
     assert [(report["step"], report["checkpoint_dir_name"] is not None) for report in result.metrics_history] == [
-        (3, False), (6, True)]
+        (3, False),
+        (6, True),
+    ]
     assert "eval_loss" in result.metrics_history[0]

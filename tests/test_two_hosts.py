@@ -28,13 +28,16 @@ SCRIPTS = REPO_ROOT / "tests" / "scripts"
 RUN_TIMEOUT_S = 150
 
 
-def run_on(hosts: Sequence[tuple[Host, list[str]]], timeout: float = RUN_TIMEOUT_S,
-           **extra_env: str) -> list[tuple[int, str]]:
+def run_on(
+    hosts: Sequence[tuple[Host, list[str]]], timeout: float = RUN_TIMEOUT_S, **extra_env: str
+) -> list[tuple[int, str]]:
     """Run one command on each host at once (each killed with its descendants if they outlast
     ``timeout``); return each one's exit code and output."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **extra_env}
-    processes = [host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-                 for host, args in hosts]
+    processes = [
+        host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        for host, args in hosts
+    ]
     results = []
     try:
         for process in processes:
@@ -45,7 +48,9 @@ def run_on(hosts: Sequence[tuple[Host, list[str]]], timeout: float = RUN_TIMEOUT
         for process in processes:
             kill_tree(process)
             outputs.append(process.communicate()[0].decode(errors="replace"))
-        pytest.fail(f"the run did not end within {timeout} s; output per host:\n" + "\n---\n".join(o[-4000:] for o in outputs))
+        pytest.fail(
+            f"the run did not end within {timeout} s; output per host:\n" + "\n---\n".join(o[-4000:] for o in outputs)
+        )
     finally:
         for process in processes:
             kill_tree(process)
@@ -76,9 +81,15 @@ def ray_cluster(two_hosts: HostNetwork, node_local_dir: Path) -> Iterator[RayClu
 def test_hosts_reach_each_other_by_address_while_the_hostname_is_loopback(two_hosts: HostNetwork) -> None:
     host_a, host_b = two_hosts.hosts
     port = free_port(host_b)
-    listener = host_b.popen([sys.executable, "-c", "import socket, sys; s = socket.socket(); "
-                             "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); s.accept()",
-                             host_b.address, str(port)])
+    listener = host_b.popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); s.accept()",
+            host_b.address,
+            str(port),
+        ]
+    )
     try:
         wait_listening(host_a, host_b.address, port, timeout_s=30, process=listener)
     finally:
@@ -121,10 +132,15 @@ def test_ray_run_on_s3_both_hosts_reach(ray_cluster: RayCluster) -> None:
     host_a, host_b = ray_cluster.head, ray_cluster.workers[0]
     port = free_port(host_a)
     moto = str(Path(sys.executable).with_name("moto_server"))
-    server = host_a.popen([moto, "-H", host_a.address, "-p", str(port)], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-    aws = {"AWS_ENDPOINT_URL": f"http://{host_a.address}:{port}", "AWS_ACCESS_KEY_ID": "lockstep-test",
-           "AWS_SECRET_ACCESS_KEY": "lockstep-test", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = host_a.popen(
+        [moto, "-H", host_a.address, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    aws = {
+        "AWS_ENDPOINT_URL": f"http://{host_a.address}:{port}",
+        "AWS_ACCESS_KEY_ID": "lockstep-test",
+        "AWS_SECRET_ACCESS_KEY": "lockstep-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {name: os.environ.get(name) for name in aws}
     try:
         wait_listening(host_b, host_a.address, port, timeout_s=60, process=server)
@@ -163,9 +179,22 @@ def test_torchrun_two_nodes_on_two_hosts(two_hosts: HostNetwork, tmp_path: Path)
     host_a, host_b = two_hosts.hosts
     port = free_port(host_a)
     commands = [
-        (host, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                f"--node_rank={node_rank}", f"--master_addr={host_a.address}", f"--master_port={port}",
-                "--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path)])
+        (
+            host,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node_rank}",
+                f"--master_addr={host_a.address}",
+                f"--master_port={port}",
+                "--max-restarts=0",
+                str(SCRIPTS / "torchrun_job.py"),
+                str(tmp_path),
+            ],
+        )
         for node_rank, host in enumerate((host_a, host_b))
     ]
     outcomes = run_on(commands)
@@ -184,14 +213,29 @@ def test_torchrun_two_nodes_on_two_hosts(two_hosts: HostNetwork, tmp_path: Path)
 
 
 @pytest.mark.timeout(150)
-def test_torchrun_ranks_that_cannot_connect_all_fail_within_the_start_timeout(two_hosts: HostNetwork,
-                                                                               tmp_path: Path) -> None:
+def test_torchrun_ranks_that_cannot_connect_all_fail_within_the_start_timeout(
+    two_hosts: HostNetwork, tmp_path: Path
+) -> None:
     host_a, host_b = two_hosts.hosts
     port = free_port(host_a)
     commands = [
-        (host, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                f"--node_rank={node_rank}", f"--master_addr={host_a.address}", f"--master_port={port}",
-                "--max-restarts=0", str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "--start-timeout=10"])
+        (
+            host,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node_rank}",
+                f"--master_addr={host_a.address}",
+                f"--master_port={port}",
+                "--max-restarts=0",
+                str(SCRIPTS / "torchrun_job.py"),
+                str(tmp_path),
+                "--start-timeout=10",
+            ],
+        )
         for node_rank, host in enumerate((host_a, host_b))
     ]
     started = time.monotonic()
@@ -211,19 +255,34 @@ def test_torchrun_ranks_that_cannot_connect_all_fail_within_the_start_timeout(tw
 @pytest.mark.timeout(60)
 def test_each_host_names_its_own_interface_and_the_users_choice_wins(two_hosts: HostNetwork) -> None:
     host_a, host_b = two_hosts.hosts
-    probe = ("import json, sys\nfrom lockstep._internal.executors.torchrun_store import Launch\n"
-             "from lockstep._internal.rank.rank_env import RankEnv\n"
-             "launch = Launch.from_environ()\n"
-             "print(json.dumps([launch.rank_env.node_addr, launch.rank_env.socket_variables({}),"
-             " launch.rank_env.socket_variables({'GLOO_SOCKET_IFNAME': 'mine'})]))")
-    launcher_env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": host_a.address, "MASTER_PORT": "29500"}
+    probe = (
+        "import json, sys\nfrom lockstep._internal.executors.torchrun_store import Launch\n"
+        "from lockstep._internal.rank.rank_env import RankEnv\n"
+        "launch = Launch.from_environ()\n"
+        "print(json.dumps([launch.rank_env.node_addr, launch.rank_env.socket_variables({}),"
+        " launch.rank_env.socket_variables({'GLOO_SOCKET_IFNAME': 'mine'})]))"
+    )
+    launcher_env = {
+        **os.environ,
+        "RANK": "1",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": host_a.address,
+        "MASTER_PORT": "29500",
+    }
     answer = host_b.run([sys.executable, "-c", probe], env=launcher_env)
     assert answer.returncode == 0, answer.stderr
     node_addr, chosen, with_users = json.loads(answer.stdout)
     assert node_addr == host_b.address, "under torchrun: the local address that reaches MASTER_ADDR"
     assert chosen == {"GLOO_SOCKET_IFNAME": host_b.interface, "NCCL_SOCKET_IFNAME": f"={host_b.interface}"}
     assert with_users == {"NCCL_SOCKET_IFNAME": f"={host_b.interface}"}, "a variable the user set is kept"
-    local = host_b.run([sys.executable, "-c", "from lockstep._internal.rank.rank_env import RankEnv\n"
-                        "print(RankEnv(0, 2, 0, 2, 0, '127.0.0.1', 1).socket_variables({}))"])
+    local = host_b.run(
+        [
+            sys.executable,
+            "-c",
+            "from lockstep._internal.rank.rank_env import RankEnv\n"
+            "print(RankEnv(0, 2, 0, 2, 0, '127.0.0.1', 1).socket_variables({}))",
+        ]
+    )
     assert "'GLOO_SOCKET_IFNAME': 'lo'" in local.stdout, local.stderr

@@ -176,8 +176,11 @@ def test_one_validation_at_a_time_with_merged_kwargs_timeouts_and_failures(tmp_p
     time.sleep(0.06)
     validations.poll()
     assert launcher.started[2].cancelled, "timed out"
-    assert statuses(recorder) == {"checkpoint_000000": "VALIDATED", "checkpoint_000001": "VALIDATION_FAILED",
-                                  "checkpoint_000002": "VALIDATION_TIMEOUT"}
+    assert statuses(recorder) == {
+        "checkpoint_000000": "VALIDATED",
+        "checkpoint_000001": "VALIDATION_FAILED",
+        "checkpoint_000002": "VALIDATION_TIMEOUT",
+    }
     assert not validations.pending and validations.time_left() is None
 
 
@@ -193,7 +196,8 @@ def test_pending_validations_of_the_record_are_queued_and_an_abort_leaves_them_p
     validations.abort()
     assert launcher.started[0].cancelled
     assert set(statuses(RunRecorder(recorder.storage, CheckpointConfig(), world_size=1)).values()) == {
-        "PENDING_VALIDATION"}
+        "PENDING_VALIDATION"
+    }
 
 
 # -- what is refused, before anything runs --------------------------------------------------------------
@@ -204,7 +208,9 @@ def test_report_validation_needs_a_checkpoint_a_validation_config_and_json_kwarg
     assert validation_request(False, None, has_validation=False) is None
     assert validation_request(True, checkpoint, has_validation=True) is True
     assert validation_request(ValidationTaskConfig({"k": [1, "a"]}, 5), checkpoint, has_validation=True) == {
-        "fn_kwargs": {"k": [1, "a"]}, "timeout_s": 5}
+        "fn_kwargs": {"k": [1, "a"]},
+        "timeout_s": 5,
+    }
     with pytest.raises(ValueError, match="needs a checkpoint"):
         validation_request(True, None, has_validation=True)
     with pytest.raises(ValueError, match="validation_config=lockstep.ValidationConfig"):
@@ -241,14 +247,17 @@ def report_5_1_4_2_3(config: dict[str, Any]) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as folder:
             lockstep.report({"step": step}, checkpoint=value_checkpoint(folder, value), validation=True)
     validated = lockstep.get_all_reported_checkpoints()
-    return {"pid": os.getpid(),
-            "validated": [(seen.metrics["step"], seen.status.value, seen.metrics.get("val")) for seen in validated]}
+    return {
+        "pid": os.getpid(),
+        "validated": [(seen.metrics["step"], seen.status.value, seen.metrics.get("val")) for seen in validated],
+    }
 
 
 @pytest.mark.timeout(120)
 def test_validated_metrics_rank_the_checkpoints_and_fit_waits_for_them(storage_path: str) -> None:
     result = TorchTrainer(
-        report_5_1_4_2_3, scaling_config=ScalingConfig(num_workers=2),
+        report_5_1_4_2_3,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="best", storage_path=storage_path, checkpoint_config=KEEP_BEST_TWO),
         validation_config=ValidationConfig(validate_value, ray_remote_kwargs={"num_cpus": 2}),
     ).fit()
@@ -270,13 +279,22 @@ def test_validated_metrics_rank_the_checkpoints_and_fit_waits_for_them(storage_p
 def report_while_validating(config: dict[str, Any]) -> dict[str, Any]:
     marks = Path(config["marks"])
     rank = lockstep.get_context().get_world_rank()
-    modes = [ValidationTaskConfig({"mode": "wait"}), ValidationTaskConfig({"mode": "fail"}),
-             ValidationTaskConfig({"mode": "hang"}, timeout_s=1), ValidationTaskConfig({"scale": 10.0}), True]
+    modes = [
+        ValidationTaskConfig({"mode": "wait"}),
+        ValidationTaskConfig({"mode": "fail"}),
+        ValidationTaskConfig({"mode": "hang"}, timeout_s=1),
+        ValidationTaskConfig({"scale": 10.0}),
+        True,
+    ]
     seen: dict[str, Any] = {}
     for step, validation in enumerate(modes):
         with tempfile.TemporaryDirectory() as folder:
-            lockstep.report({"step": step}, checkpoint=value_checkpoint(folder, step + 1), validation=validation,
-                            checkpoint_upload_mode=CheckpointUploadMode.ASYNC if step == 3 else "SYNC")
+            lockstep.report(
+                {"step": step},
+                checkpoint=value_checkpoint(folder, step + 1),
+                validation=validation,
+                checkpoint_upload_mode=CheckpointUploadMode.ASYNC if step == 3 else "SYNC",
+            )
         if step == 0 and rank == 0:  # report() has returned: the validation runs on its own
             wait_for(Path(marks, "started").exists, "the first validation's start")
             committed = lockstep.get_all_reported_checkpoints(CheckpointConsistencyMode.COMMITTED)
@@ -297,24 +315,34 @@ class RecordingCallback(UserCallback):
 
 @pytest.mark.timeout(120)
 def test_failed_and_timed_out_validations_mark_their_checkpoints_without_failing_the_run(
-        storage_path: str, tmp_path: Path) -> None:
+    storage_path: str, tmp_path: Path
+) -> None:
     callback = RecordingCallback()
     defaults = ValidationTaskConfig(fn_kwargs={"marks": str(tmp_path), "scale": 2.0})
     result = TorchTrainer(
-        report_while_validating, train_loop_config={"marks": str(tmp_path)},
+        report_while_validating,
+        train_loop_config={"marks": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="told", storage_path=storage_path, callbacks=[callback]),
         validation_config=ValidationConfig(validate_as_told, defaults, ray_remote_kwargs={"max_retries": 0}),
     ).fit()
 
     assert result.return_value == {"finished_before_go": False, "committed_while_validating": ["PENDING_VALIDATION"]}, (
-        "report(validation=...) and get_all_reported_checkpoints(COMMITTED) did not wait for the validation")
+        "report(validation=...) and get_all_reported_checkpoints(COMMITTED) did not wait for the validation"
+    )
     record = json.loads(Path(result.path, "lockstep_run.json").read_text())
     assert record["status"] == "finished"
-    got = [(entry["validation"], entry["metrics"].get("val"), entry["metrics"].get("scale"))
-           for entry in record["checkpoints"]]
-    assert got == [("VALIDATED", 2.0, 2.0), ("VALIDATION_FAILED", None, None), ("VALIDATION_TIMEOUT", None, None),
-                   ("VALIDATED", 40.0, 10.0), ("VALIDATED", 10.0, 2.0)]
+    got = [
+        (entry["validation"], entry["metrics"].get("val"), entry["metrics"].get("scale"))
+        for entry in record["checkpoints"]
+    ]
+    assert got == [
+        ("VALIDATED", 2.0, 2.0),
+        ("VALIDATION_FAILED", None, None),
+        ("VALIDATION_TIMEOUT", None, None),
+        ("VALIDATED", 40.0, 10.0),
+        ("VALIDATED", 10.0, 2.0),
+    ]
     log = Path(result.path, "logs", "validation_checkpoint_000001.log")
     assert log.exists()
     # Ray's UserCallback: every report in order, every rank's metrics, the committed checkpoint
@@ -346,10 +374,12 @@ class ExceptionsCallback(UserCallback):
 def test_user_callback_hears_of_a_failed_rank(storage_path: str, tmp_path: Path) -> None:
     callback = ExceptionsCallback()
     TorchTrainer(
-        fail_once_on_rank_1, train_loop_config={"failed": str(tmp_path / "failed")},
+        fail_once_on_rank_1,
+        train_loop_config={"failed": str(tmp_path / "failed")},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(storage_path=storage_path, callbacks=[callback],
-                             failure_config=FailureConfig(max_failures=1)),
+        run_config=RunConfig(
+            storage_path=storage_path, callbacks=[callback], failure_config=FailureConfig(max_failures=1)
+        ),
     ).fit()
     assert [sorted(exceptions) for exceptions in callback.exceptions] == [[1]]
     assert "rank 1 trips once" in str(callback.exceptions[0][1])
@@ -362,9 +392,14 @@ def test_user_callback_hears_of_a_failed_rank(storage_path: str, tmp_path: Path)
 def start_driver(storage_path: str, marks: Path) -> subprocess.Popen[bytes]:
     from conftest import sigint_raises
 
-    return subprocess.Popen([sys.executable, str(SCRIPT), storage_path, str(marks)], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=sigint_raises)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), storage_path, str(marks)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=sigint_raises,
+    )
 
 
 def gone(pid: int) -> bool:
@@ -377,8 +412,9 @@ def report_nothing_new() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_an_interrupted_or_killed_drivers_pending_validation_runs_at_the_next_fit(storage_path: str,
-                                                                                    tmp_path: Path) -> None:
+def test_an_interrupted_or_killed_drivers_pending_validation_runs_at_the_next_fit(
+    storage_path: str, tmp_path: Path
+) -> None:
     record = Path(storage_path, "aborted", "lockstep_run.json")
     driver = start_driver(storage_path, tmp_path)
     try:
@@ -404,7 +440,8 @@ def test_an_interrupted_or_killed_drivers_pending_validation_runs_at_the_next_fi
             driver.wait()
 
     result = TorchTrainer(
-        report_nothing_new, scaling_config=ScalingConfig(num_workers=2),
+        report_nothing_new,
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="aborted", storage_path=storage_path),
         validation_config=ValidationConfig(validate_at_once, ValidationTaskConfig({"marks": str(tmp_path)})),
     ).fit()
@@ -423,8 +460,10 @@ def report_two_in_local_mode() -> None:
 @pytest.mark.timeout(60)
 def test_local_mode_validates_in_a_process_of_its_own(storage_path: str) -> None:
     result = TorchTrainer(
-        report_two_in_local_mode, scaling_config=ScalingConfig(num_workers=0),
-        run_config=RunConfig(storage_path=storage_path), validation_config=ValidationConfig(validate_value),
+        report_two_in_local_mode,
+        scaling_config=ScalingConfig(num_workers=0),
+        run_config=RunConfig(storage_path=storage_path),
+        validation_config=ValidationConfig(validate_value),
     ).fit()
     validated = [metrics for _, metrics in result.best_checkpoints]
     assert [(metrics["val"], metrics["pid"] != os.getpid()) for metrics in validated] == [(1.0, True), (2.0, True)]
@@ -433,9 +472,20 @@ def test_local_mode_validates_in_a_process_of_its_own(storage_path: str) -> None
 @pytest.mark.timeout(150)
 def test_under_torchrun_rank_0_validates_in_processes_of_their_own(tmp_path: Path) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0",
-         str(REPO_ROOT / "tests" / "scripts" / "validation_torchrun_job.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=140, cwd=REPO_ROOT)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--max-restarts=0",
+            str(REPO_ROOT / "tests" / "scripts" / "validation_torchrun_job.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=REPO_ROOT,
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     results = {}
     for line in completed.stdout.splitlines():

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT, parent_of, tagged_processes, tagged_processes_after, wait_for_first_report
 
 import lockstep
-from conftest import REPO_ROOT, parent_of, tagged_processes, tagged_processes_after, wait_for_first_report
 from lockstep import RunConfig, ScalingConfig
 from lockstep._internal.installed import installed_file
 from lockstep._internal.warm import warm_start
@@ -32,8 +32,15 @@ def record_rank(folder: str, name: str) -> None:
     from lockstep._internal.warm import warm_start as in_worker
 
     rank = lockstep.get_context().get_world_rank()
-    facts = {"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "cwd": os.getcwd(),
-             "env": os.environ.get("WARM_TEST_VALUE"), "sys_path": sys.path, "warm_pid": in_worker.warm_process_pid()}
+    facts = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "sid": os.getsid(0),
+        "cwd": os.getcwd(),
+        "env": os.environ.get("WARM_TEST_VALUE"),
+        "sys_path": sys.path,
+        "warm_pid": in_worker.warm_process_pid(),
+    }
     with open(os.path.join(folder, f"{name}_rank{rank}.json"), "w") as handle:
         json.dump(facts, handle)
     lockstep.report({"done": 1})
@@ -56,8 +63,14 @@ def run_driver(tmp_path: Path, body: str, timeout: float, **env: str) -> subproc
     """Run ``body`` as a driver script in a fresh process; it prints RESULT <json>."""
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(body))
-    completed = subprocess.run([sys.executable, str(script), str(tmp_path / "results")], capture_output=True,
-                               text=True, timeout=timeout, env={**os.environ, **env}, cwd=REPO_ROOT)
+    completed = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
+    )
     assert completed.returncode == 0, f"exit {completed.returncode}\n{completed.stdout}\n{completed.stderr}"
     return completed
 
@@ -126,8 +139,9 @@ def test_workers_see_the_environment_path_and_modules_of_fit_time(
         lockstep.report({"value": warm_late_module.VALUE})
         record_rank(str(tmp_path), "late")
 
-    result = TorchTrainer(train, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=storage_path, name="late")).fit()
+    result = TorchTrainer(
+        train, scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=storage_path, name="late")
+    ).fit()
     assert result.metrics_dataframe["value"][0] == "imported after the warm process started"
     for rank in range(2):
         facts = json.loads((tmp_path / f"late_rank{rank}.json").read_text())
@@ -139,9 +153,15 @@ def test_workers_see_the_environment_path_and_modules_of_fit_time(
 
 @pytest.mark.timeout(120)
 def test_the_setting_turns_it_off(tmp_path: Path) -> None:
-    completed = run_driver(tmp_path, FIT_PPIDS + """
+    completed = run_driver(
+        tmp_path,
+        FIT_PPIDS
+        + """
     print("RESULT", json.dumps({"warm": warm_start.warm_process_pid(), "ppid": fit("off"), "driver": os.getpid()}))
-    """, 110, LOCKSTEP_WARM_START="0")
+    """,
+        110,
+        LOCKSTEP_WARM_START="0",
+    )
     result = result_of(completed)
     assert result["warm"] is None
     assert result["ppid"] == result["driver"], "with the setting off, the driver starts its workers"
@@ -149,13 +169,18 @@ def test_the_setting_turns_it_off(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_killed_warm_process_means_plain_starts_said_once(tmp_path: Path) -> None:
-    completed = run_driver(tmp_path, FIT_PPIDS + """
+    completed = run_driver(
+        tmp_path,
+        FIT_PPIDS
+        + """
     warm = warm_start.warm_process_pid()
     first = fit("first")
     os.kill(warm, signal.SIGKILL)
     later = [fit("second"), fit("third")]
     print("RESULT", json.dumps({"warm": warm, "first": first, "later": later, "driver": os.getpid()}))
-    """, 140)
+    """,
+        140,
+    )
     result = result_of(completed)
     assert result["first"] == result["warm"]
     assert result["later"] == [result["driver"]] * 2, "after the warm process died, fits start workers themselves"
@@ -164,7 +189,10 @@ def test_a_killed_warm_process_means_plain_starts_said_once(tmp_path: Path) -> N
 
 @pytest.mark.timeout(180)
 def test_a_ray_fit_stops_the_unused_warm_process_and_a_later_local_fit_brings_it_back(tmp_path: Path) -> None:
-    completed = run_driver(tmp_path, FIT_PPIDS + """
+    completed = run_driver(
+        tmp_path,
+        FIT_PPIDS
+        + """
     import ray
     warm = warm_start.warm_process_pid()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -176,7 +204,10 @@ def test_a_ray_fit_stops_the_unused_warm_process_and_a_later_local_fit_brings_it
     back = warm_start.warm_process_pid()
     print("RESULT", json.dumps({"warm": warm, "after_ray": after_ray, "local": local_ppid, "back": back,
                                 "warm_alive": os.path.exists(f"/proc/{warm}"), "driver": os.getpid()}))
-    """, 170, RAY_AUTH_MODE="disabled")
+    """,
+        170,
+        RAY_AUTH_MODE="disabled",
+    )
     result = result_of(completed)
     assert result["warm"] is not None and result["after_ray"] is None, "a Ray fit stops the unused warm process"
     assert not result["warm_alive"]
@@ -213,27 +244,37 @@ def test_nothing_warm_under_torchrun_in_the_cli_or_a_multiprocessing_child(tmp_p
     def check(setup: str, **env: str) -> dict:
         script = tmp_path / "check.py"  # a file: multiprocessing's spawn imports it again
         script.write_text(CHECK_NOTHING_WARM.format(setup=setup))
-        completed = subprocess.run([sys.executable, str(script)], capture_output=True,
-                                   text=True, timeout=60, env={**os.environ, **env}, cwd=REPO_ROOT)
+        completed = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+            cwd=REPO_ROOT,
+        )
         assert completed.returncode == 0, completed.stderr
         return result_of(completed)
 
     torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
     assert check("import lockstep.torch", **torchrun) == {"warm": None, "torch": True}
     console = str(Path(sys.executable).with_name("lockstep"))  # what the console command's argv[0] is
-    cli = "sys.argv = [{!r}, 'runs', {!r}]; import lockstep, lockstep.cli; lockstep.cli.main(sys.argv[1:])".format(
-        console, storage_path)
+    cli = (
+        f"sys.argv = [{console!r}, 'runs', {storage_path!r}]; "
+        "import lockstep, lockstep.cli; lockstep.cli.main(sys.argv[1:])"
+    )
     assert check(cli) == {"warm": None, "torch": False}, "the CLI imported lockstep.torch"
-    spawned = ("import multiprocessing as mp\n"
-               "def child(queue):\n"
-               "    import lockstep.torch\n"
-               "    from lockstep._internal.warm import warm_start\n"
-               "    queue.put(warm_start.warm_process_pid())\n"
-               "if __name__ == '__main__':\n"
-               "    context = mp.get_context('spawn'); queue = context.Queue()\n"
-               "    process = context.Process(target=child, args=(queue,)); process.start()\n"
-               "    assert queue.get(timeout=50) is None, 'a multiprocessing child started a warm process'\n"
-               "    process.join()")
+    spawned = (
+        "import multiprocessing as mp\n"
+        "def child(queue):\n"
+        "    import lockstep.torch\n"
+        "    from lockstep._internal.warm import warm_start\n"
+        "    queue.put(warm_start.warm_process_pid())\n"
+        "if __name__ == '__main__':\n"
+        "    context = mp.get_context('spawn'); queue = context.Queue()\n"
+        "    process = context.Process(target=child, args=(queue,)); process.start()\n"
+        "    assert queue.get(timeout=50) is None, 'a multiprocessing child started a warm process'\n"
+        "    process.join()"
+    )
     check(spawned)  # the child's answer is checked in the script (the parent, a script, has its own)
 
 
@@ -248,8 +289,11 @@ def test_installed_packages_the_job_names_are_imported_once_in_the_warm_process(
     def train() -> None:
         lockstep.report({"transform": type(torchvision.transforms.ToTensor()).__name__})
 
-    result = TorchTrainer(train, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=storage_path, name="preload")).fit()
+    result = TorchTrainer(
+        train,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, name="preload"),
+    ).fit()
     assert result.metrics["transform"] == "ToTensor"
     with open(f"/proc/{warm}/maps") as maps:
         assert "torchvision" in maps.read(), "torchvision was not imported in the warm process before forking"
@@ -262,4 +306,6 @@ def test_installed_files_are_those_under_this_python_s_installation_not_beside_i
     assert installed_file(torch.__file__) and installed_file(os.path.dirname(os.__file__))
     assert not installed_file(__file__), "the user's own files (these tests) are not installed"
     assert installed_file(os.path.join(sys.prefix, "lib", "x.py"))
-    assert not installed_file(sys.prefix.rstrip(os.sep) + "2" + os.sep + "x.py"), "a folder beside the venv is not in it"
+    assert not installed_file(sys.prefix.rstrip(os.sep) + "2" + os.sep + "x.py"), (
+        "a folder beside the venv is not in it"
+    )

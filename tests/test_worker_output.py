@@ -11,8 +11,8 @@ import pytest
 
 import lockstep
 from lockstep import RunConfig, ScalingConfig
-from lockstep.torch import TorchTrainer
 from lockstep._internal.output.worker_output import MergingConsole, OutputRelay, rank_tag
+from lockstep.torch import TorchTrainer
 
 WAIT_S = 0.5
 
@@ -162,7 +162,8 @@ def test_a_rank_flooding_the_console_holds_a_bounded_number_of_lines() -> None:
 
 
 def test_the_relay_keeps_every_byte_in_the_logs_and_its_timer_shows_held_lines(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     relay = OutputRelay(str(tmp_path), "all", merge_wait_s=0.2)
     relay.expect(0)

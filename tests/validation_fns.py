@@ -28,12 +28,16 @@ def read_value(checkpoint: Checkpoint) -> float:
 
 
 def validate_value(checkpoint: Checkpoint) -> dict[str, Any]:
-    return {"val": read_value(checkpoint), "pid": os.getpid(), "threads": os.environ.get("OMP_NUM_THREADS"),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {
+        "val": read_value(checkpoint),
+        "pid": os.getpid(),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
 
 
 def validate_as_told(checkpoint: Checkpoint, marks: str, scale: float = 1.0, mode: str = "ok") -> dict[str, Any]:
-    """"wait": say when it started and wait for the train function's go; "fail" raises; "hang"
+    """ "wait": say when it started and wait for the train function's go; "fail" raises; "hang"
     never returns."""
     if mode == "wait":
         Path(marks, "started").touch()
@@ -69,5 +73,8 @@ def validate_in_ray_task(checkpoint: Checkpoint, mode: str = "ok") -> dict[str, 
     if mode == "hang":
         time.sleep(600)
     context = ray.get_runtime_context()
-    return {"val": read_value(checkpoint), "node": os.environ.get("LOCKSTEP_TEST_NODE"),
-            "in_task": context.get_task_id() is not None and context.get_actor_id() is None}
+    return {
+        "val": read_value(checkpoint),
+        "node": os.environ.get("LOCKSTEP_TEST_NODE"),
+        "in_task": context.get_task_id() is not None and context.get_actor_id() is None,
+    }

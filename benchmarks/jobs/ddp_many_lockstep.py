@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from on_ray import add_ray_flags, join_ray_if_asked
 
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change

@@ -14,7 +14,6 @@ from torch.utils.data import Subset
 from torchvision import datasets
 from torchvision.transforms import ToTensor
 
-
 STAMPS = os.environ.get("LOCKSTEP_BENCH_STAMPS") == "1"
 
 
@@ -33,10 +32,14 @@ class NeuralNetwork(nn.Module):
         super().__init__()
         self.flatten = nn.Flatten()
         self.linear_relu_stack = nn.Sequential(
-            nn.Linear(28 * 28, 512), nn.ReLU(),
-            nn.Linear(512, 128), nn.ReLU(),
-            nn.Linear(128, 64), nn.ReLU(),
-            nn.Linear(64, 10), nn.LogSoftmax(dim=1),
+            nn.Linear(28 * 28, 512),
+            nn.ReLU(),
+            nn.Linear(512, 128),
+            nn.ReLU(),
+            nn.Linear(128, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+            nn.LogSoftmax(dim=1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +55,9 @@ def load_data(data_dir: str, limit: int | None) -> tuple[Any, Any]:
     return training, test
 
 
-def train_epoch(dataloader: Any, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
-                world_size: int) -> None:
+def train_epoch(
+    dataloader: Any, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer, world_size: int
+) -> None:
     """Seed 003's training loop (prints the loss every 100 batches)."""
     size = len(dataloader.dataset) // world_size
     model.train()

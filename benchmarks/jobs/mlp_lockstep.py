@@ -19,11 +19,10 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
-
 from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # torchvision, as seed 003
 from on_ray import add_ray_flags, join_ray_if_asked
+from torch import nn
+from torch.utils.data import DataLoader
 
 # As users write scripts: torch and torchvision (above) before lockstep or Ray Train.
 if "--ray" in sys.argv:  # the same script on Ray Train: only the imports change
@@ -83,8 +82,13 @@ def main() -> None:
     join_ray_if_asked(args)
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"lr": 1e-3, "batch_size": 64, "epochs": args.epochs,
-                           "data_dir": args.data_dir, "limit": args.limit},
+        train_loop_config={
+            "lr": 1e-3,
+            "batch_size": 64,
+            "epochs": args.epochs,
+            "data_dir": args.data_dir,
+            "limit": args.limit,
+        },
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=False),
         run_config=RunConfig(storage_path=args.storage_path),
     )

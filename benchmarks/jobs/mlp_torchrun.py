@@ -15,12 +15,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # noqa: E402
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-
-from mlp_common import NeuralNetwork, load_data, stamp, train_epoch, validate_epoch  # noqa: E402
-
 
 # -- hand-written DDP --------------------------------------------------------------------------
 
@@ -39,10 +37,12 @@ def main() -> None:
     torch.manual_seed(0)
     training, test = load_data(args.data_dir, args.limit)
     batch_size = 64 // world_size
-    train_loader = DataLoader(training, batch_size=batch_size, num_workers=0,
-                              sampler=DistributedSampler(training, shuffle=False))
-    test_loader = DataLoader(test, batch_size=batch_size, num_workers=0,
-                             sampler=DistributedSampler(test, shuffle=False))
+    train_loader = DataLoader(
+        training, batch_size=batch_size, num_workers=0, sampler=DistributedSampler(training, shuffle=False)
+    )
+    test_loader = DataLoader(
+        test, batch_size=batch_size, num_workers=0, sampler=DistributedSampler(test, shuffle=False)
+    )
     model = DistributedDataParallel(NeuralNetwork())
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -33,7 +33,9 @@ class MarkingDataset(Dataset):
 
 def train_func(config):
     mode = config["mode"]
-    loader = DataLoader(MarkingDataset(config["marks"], 0.01 if mode == "forever" else 0.0), batch_size=8, num_workers=2)
+    loader = DataLoader(
+        MarkingDataset(config["marks"], 0.01 if mode == "forever" else 0.0), batch_size=8, num_workers=2
+    )
     epochs = 2 if mode != "forever" else 10_000
     for epoch in range(epochs):
         total = 0.0
@@ -47,7 +49,9 @@ def train_func(config):
 if __name__ == "__main__":
     storage_path, marks, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     TorchTrainer(
-        train_func, train_loop_config={"marks": marks, "mode": mode}, scaling_config=ScalingConfig(num_workers=2),
+        train_func,
+        train_loop_config={"marks": marks, "mode": mode},
+        scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=storage_path, name=f"loader-{mode}"),
     ).fit()
     print("FINISHED")

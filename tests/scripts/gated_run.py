@@ -38,6 +38,10 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lockstep").setLevel(logging.INFO)  # shows the metrics URL, among others
     storage, name, gates, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    result = TorchTrainer(train, train_loop_config={"gates": gates}, scaling_config=ScalingConfig(num_workers=workers),
-                          run_config=RunConfig(name=name, storage_path=storage)).fit()
+    result = TorchTrainer(
+        train,
+        train_loop_config={"gates": gates},
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=RunConfig(name=name, storage_path=storage),
+    ).fit()
     print("RESULT " + json.dumps(result.metrics), flush=True)

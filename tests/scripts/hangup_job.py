@@ -36,9 +36,12 @@ if __name__ == "__main__":
     parser.add_argument("--num-workers", type=int, default=0)
     args = parser.parse_args()
     who = os.environ.get("RANK", "driver")
-    trainer = TorchTrainer(train_func, train_loop_config={"pids": args.pids},
-                           scaling_config=ScalingConfig(num_workers=args.num_workers),
-                           run_config=RunConfig(name="preemptible", storage_path=args.storage_path, verbose=0))
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"pids": args.pids},
+        scaling_config=ScalingConfig(num_workers=args.num_workers),
+        run_config=RunConfig(name="preemptible", storage_path=args.storage_path, verbose=0),
+    )
     try:
         trainer.fit()
         outcome = {"error": None}

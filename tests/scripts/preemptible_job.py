@@ -67,16 +67,28 @@ if __name__ == "__main__":
     args = parser.parse_args()
     who = os.environ.get("RANK", "driver")
     config = {"pids": args.pids, "every": args.every, "steps": args.steps, "step_s": args.step_s}
-    trainer = TorchTrainer(train_func, train_loop_config=config, scaling_config=ScalingConfig(num_workers=args.num_workers),
-                           run_config=RunConfig(name="preemptible", storage_path=args.storage_path, verbose=0,
-                                                failure_config=FailureConfig(preemption_grace_s=args.grace),
-                                                callbacks=[FailingCallback()] if args.callback_fails else []))
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=args.num_workers),
+        run_config=RunConfig(
+            name="preemptible",
+            storage_path=args.storage_path,
+            verbose=0,
+            failure_config=FailureConfig(preemption_grace_s=args.grace),
+            callbacks=[FailingCallback()] if args.callback_fails else [],
+        ),
+    )
     try:
         result = trainer.fit()
         outcome = {"error": None, "steps": [row["step"] for row in result.metrics_history]}
     except lockstep.TrainingFailedError as error:
         info = getattr(error, "preemption_info", None)
-        outcome = {"error": type(error).__name__, "message": str(error),
-                   "ranks": info and info.preempted_ranks, "drain_timed_out": getattr(error, "drain_timed_out", None)}
+        outcome = {
+            "error": type(error).__name__,
+            "message": str(error),
+            "ranks": info and info.preempted_ranks,
+            "drain_timed_out": getattr(error, "drain_timed_out", None),
+        }
     sys.stdout.write(f"RESULT {who} {json.dumps(outcome)}\n")
     sys.stdout.flush()

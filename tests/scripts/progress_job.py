@@ -1,6 +1,6 @@
 """Three reports on 2 workers; rank 0 prints a line before each (for the progress-line tests).
 
-    python progress_job.py STORAGE_PATH [VERBOSE]
+python progress_job.py STORAGE_PATH [VERBOSE]
 """
 
 import sys
@@ -19,5 +19,8 @@ def train_func() -> None:
 
 if __name__ == "__main__":
     verbose = int(sys.argv[2]) if len(sys.argv) > 2 else None
-    TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
-                 run_config=RunConfig(name="progress", storage_path=sys.argv[1], verbose=verbose)).fit()
+    TorchTrainer(
+        train_func,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="progress", storage_path=sys.argv[1], verbose=verbose),
+    ).fit()

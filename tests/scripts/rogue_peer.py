@@ -20,8 +20,8 @@ import secrets
 import sys
 from typing import Any
 
-from lockstep._internal.wire import channel, protocol
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
+from lockstep._internal.wire import channel, protocol
 
 
 class CreatesMarker:
@@ -62,8 +62,12 @@ def from_store(marker: str) -> dict[str, Any]:
 
     from torch.distributed import TCPStore
 
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=datetime.timedelta(seconds=30))
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     key = f"lockstep/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/channel"
     store.wait([key], datetime.timedelta(seconds=30))

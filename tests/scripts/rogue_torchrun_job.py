@@ -22,8 +22,15 @@ from lockstep.collective import broadcast_from_rank_zero
 from lockstep.torch import TorchTrainer
 
 ROGUE = str(Path(__file__).with_name("rogue_peer.py"))
-STORE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "PATH",
-                   "PYTHONPATH", "LOCKSTEP_TEST_TAG")
+STORE_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "PATH",
+    "PYTHONPATH",
+    "LOCKSTEP_TEST_TAG",
+)
 
 
 def rank_1_channel_env() -> dict[str, str]:
@@ -33,19 +40,31 @@ def rank_1_channel_env() -> dict[str, str]:
     from lockstep._internal.executors.torchrun_store import Launch, await_channel
 
     launch = Launch.from_environ()
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=datetime.timedelta(seconds=30))
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
     return await_channel(launch, store, lockstep.get_context().get_storage())
 
 
 def run_rogues(out_dir: str) -> None:
     marker = str(Path(out_dir, "MARKER"))
     only_store = {name: os.environ[name] for name in STORE_VARIABLES if name in os.environ}
-    subprocess.run([sys.executable, ROGUE, "store", str(Path(out_dir, "store.json")), marker], env=only_store,
-                   check=True, timeout=90)
+    subprocess.run(
+        [sys.executable, ROGUE, "store", str(Path(out_dir, "store.json")), marker],
+        env=only_store,
+        check=True,
+        timeout=90,
+    )
     with_credential = {**os.environ, **rank_1_channel_env()}
-    subprocess.run([sys.executable, ROGUE, "env", str(Path(out_dir, "env.json")), marker], env=with_credential,
-                   check=True, timeout=90)
+    subprocess.run(
+        [sys.executable, ROGUE, "env", str(Path(out_dir, "env.json")), marker],
+        env=with_credential,
+        check=True,
+        timeout=90,
+    )
 
 
 def train_func(config: dict) -> str:
@@ -59,10 +78,18 @@ def train_func(config: dict) -> str:
 
 if __name__ == "__main__":
     storage_path, out_dir = sys.argv[1:3]
-    trainer = TorchTrainer(train_func, train_loop_config={"out_dir": out_dir}, scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(name="rogue", storage_path=storage_path, verbose=0))
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"out_dir": out_dir},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="rogue", storage_path=storage_path, verbose=0),
+    )
     result = trainer.fit()
     rank = int(os.environ["RANK"])
-    summary = {"metrics": result.metrics, "return_value": result.return_value, "error": result.error and str(result.error)}
+    summary = {
+        "metrics": result.metrics,
+        "return_value": result.return_value,
+        "error": result.error and str(result.error),
+    }
     sys.stdout.write(f"RANK {rank} RESULT {json.dumps(summary)}\n")
     sys.stdout.flush()

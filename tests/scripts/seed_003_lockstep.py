@@ -3,6 +3,10 @@
 # data, 1 epoch instead of 50, and `--address none`, which skips `ray.init(...)` so that the same
 # script also runs on lockstep's local executor. With `ray.init(...)` kept, lockstep runs the
 # workers on that Ray cluster.
+# The seed's code stays as it was (its import order, typing.Dict, super(NeuralNetwork, self), its
+# black layout at 88 columns), so ruff neither formats it nor applies the rules that would rewrite it:
+# ruff: noqa: I001, UP006, UP008, UP035
+# fmt: off
 import argparse
 import os
 from typing import Dict

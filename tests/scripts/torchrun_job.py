@@ -59,8 +59,10 @@ def train_func(config: dict) -> int:
             threading.Event().wait()
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, f"rank{rank}.txt").write_text(str(step))
-            lockstep.report({"step": step, "sum": total.item(), "pids": pids, "resumed_from": resumed_from},
-                            checkpoint=Checkpoint.from_directory(folder))
+            lockstep.report(
+                {"step": step, "sum": total.item(), "pids": pids, "resumed_from": resumed_from},
+                checkpoint=Checkpoint.from_directory(folder),
+            )
     return os.getpid()
 
 
@@ -71,8 +73,8 @@ def describe(result: Result) -> dict:
         "path": result.path,
         "metrics": result.metrics,
         "checkpoint": checkpoint and checkpoint.path,
-        "checkpoint_files": checkpoint and {name: Path(checkpoint.path, name).read_text()
-                                            for name in sorted(os.listdir(checkpoint.path))},
+        "checkpoint_files": checkpoint
+        and {name: Path(checkpoint.path, name).read_text() for name in sorted(os.listdir(checkpoint.path))},
         "best_checkpoints": [(kept.path, metrics) for kept, metrics in result.best_checkpoints],
         "history": [(row["report_index"], row["step"], row["resumed_from"]) for row in result.metrics_history],
         "num_failures": result.num_failures,
@@ -91,12 +93,18 @@ if __name__ == "__main__":
     parser.add_argument("--start-timeout", type=float, default=120.0, help="TorchConfig.start_timeout_s")
     args = parser.parse_args()
     failure_config = FailureConfig(hang_timeout_s=2.0) if args.hang else FailureConfig()
-    result = TorchTrainer(train_func, train_loop_config={"fail_once": args.fail_once, "hang": args.hang},
-                          torch_config=TorchConfig(start_timeout_s=args.start_timeout),
-                          scaling_config=ScalingConfig(num_workers=args.num_workers),
-                          run_config=RunConfig(name=None if args.default_name else "torchrun",
-                                               storage_path=args.storage_path, verbose=0,
-                                               failure_config=failure_config)).fit()
+    result = TorchTrainer(
+        train_func,
+        train_loop_config={"fail_once": args.fail_once, "hang": args.hang},
+        torch_config=TorchConfig(start_timeout_s=args.start_timeout),
+        scaling_config=ScalingConfig(num_workers=args.num_workers),
+        run_config=RunConfig(
+            name=None if args.default_name else "torchrun",
+            storage_path=args.storage_path,
+            verbose=0,
+            failure_config=failure_config,
+        ),
+    ).fit()
     # One write of the whole line (newline included): the ranks share torchrun's stdout, and a
     # print() of an unbuffered stream writes the text and its newline apart, so lines could mix.
     sys.stdout.write(f"RANK {os.environ['RANK']} PID {os.getpid()} RESULT {json.dumps(describe(result))}\n")

@@ -47,8 +47,10 @@ def train_func(config: dict) -> None:
         dist.all_reduce(total)
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, "step.txt").write_text(str(step))
-            lockstep.report({"step": step, "world": context.get_world_size(), "sum": total.item(),
-                             "resumed_from": resumed_from}, checkpoint=Checkpoint.from_directory(folder))
+            lockstep.report(
+                {"step": step, "world": context.get_world_size(), "sum": total.item(), "resumed_from": resumed_from},
+                checkpoint=Checkpoint.from_directory(folder),
+            )
         time.sleep(STEP_PACE_S)
 
 
@@ -68,9 +70,12 @@ def describe(result: lockstep.Result) -> dict:
     if result.checkpoint is not None:
         with result.checkpoint.as_directory() as folder:
             checkpoint_step = int(Path(folder, "step.txt").read_text())
-    return {"history": [(row["step"], row["world"], row["resumed_from"]) for row in result.metrics_history],
-            "num_failures": result.num_failures, "checkpoint_step": checkpoint_step,
-            "error": result.error and str(result.error)}
+    return {
+        "history": [(row["step"], row["world"], row["resumed_from"]) for row in result.metrics_history],
+        "num_failures": result.num_failures,
+        "checkpoint_step": checkpoint_step,
+        "error": result.error and str(result.error),
+    }
 
 
 if __name__ == "__main__":
@@ -81,10 +86,16 @@ if __name__ == "__main__":
     parser.add_argument("--max-failures", type=int, default=0)
     args = parser.parse_args()
     trainer = TorchTrainer(
-        train_func, train_loop_config={"steps": args.steps}, scaling_config=scaling(args),
+        train_func,
+        train_loop_config={"steps": args.steps},
+        scaling_config=scaling(args),
         torch_config=TorchConfig(start_timeout_s=30),
-        run_config=RunConfig(name="faults", storage_path=args.storage_path, verbose=0,
-                             failure_config=FailureConfig(max_failures=args.max_failures)),
+        run_config=RunConfig(
+            name="faults",
+            storage_path=args.storage_path,
+            verbose=0,
+            failure_config=FailureConfig(max_failures=args.max_failures),
+        ),
     )
     try:
         result = trainer.fit()

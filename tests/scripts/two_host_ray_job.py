@@ -36,9 +36,10 @@ def train_func() -> None:
     for step in range(2):
         with tempfile.TemporaryDirectory() as folder:
             Path(folder, f"rank{rank}.txt").write_text(str(step))
-            lockstep.report({"step": step, "sum": total.item(), "hosts": hosts,
-                             "ifname": os.environ.get("GLOO_SOCKET_IFNAME")},
-                            checkpoint=Checkpoint.from_directory(folder))
+            lockstep.report(
+                {"step": step, "sum": total.item(), "hosts": hosts, "ifname": os.environ.get("GLOO_SOCKET_IFNAME")},
+                checkpoint=Checkpoint.from_directory(folder),
+            )
 
 
 def wait_for_nodes(count: int, timeout_s: float = 120) -> None:
@@ -73,4 +74,6 @@ if __name__ == "__main__":
     if result.checkpoint is not None:
         with result.checkpoint.as_directory() as folder:
             files = {name: Path(folder, name).read_text() for name in sorted(os.listdir(folder))}
-    print("RESULT " + json.dumps({"metrics": result.metrics, "checkpoint_files": files, "path": result.path}), flush=True)
+    print(
+        "RESULT " + json.dumps({"metrics": result.metrics, "checkpoint_files": files, "path": result.path}), flush=True
+    )

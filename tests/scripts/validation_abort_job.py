@@ -41,6 +41,7 @@ if __name__ == "__main__":
         report_one_checkpoint,
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="aborted", storage_path=STORAGE),
-        validation_config=ValidationConfig(validate_forever,
-                                           task_config=lockstep.ValidationTaskConfig(fn_kwargs={"marks": str(MARKS)})),
+        validation_config=ValidationConfig(
+            validate_forever, task_config=lockstep.ValidationTaskConfig(fn_kwargs={"marks": str(MARKS)})
+        ),
     ).fit()

@@ -21,7 +21,12 @@ if args.framework == "ray":
     import ray
     import ray.train as train
     from ray.train import (
-        Checkpoint, CheckpointConfig, CheckpointConsistencyMode, RunConfig, ScalingConfig, ValidationConfig,
+        Checkpoint,
+        CheckpointConfig,
+        CheckpointConsistencyMode,
+        RunConfig,
+        ScalingConfig,
+        ValidationConfig,
         ValidationTaskConfig,
     )
     from ray.train.torch import TorchTrainer
@@ -30,7 +35,12 @@ if args.framework == "ray":
 else:
     import lockstep as train
     from lockstep import (
-        Checkpoint, CheckpointConfig, CheckpointConsistencyMode, RunConfig, ScalingConfig, ValidationConfig,
+        Checkpoint,
+        CheckpointConfig,
+        CheckpointConsistencyMode,
+        RunConfig,
+        ScalingConfig,
+        ValidationConfig,
         ValidationTaskConfig,
     )
     from lockstep.torch import TorchTrainer
@@ -40,9 +50,8 @@ FAILS, HANGS = 2, 4  # the validation of report 2 raises; report 4's runs past i
 
 
 def validate(checkpoint, offset=0.0, fail=False, hang=False):
-    with checkpoint.as_directory() as folder:
-        with open(os.path.join(folder, "value.txt")) as handle:
-            value = float(handle.read())
+    with checkpoint.as_directory() as folder, open(os.path.join(folder, "value.txt")) as handle:
+        value = float(handle.read())
     if fail:
         raise ValueError("this checkpoint fails its validation")
     if hang:
@@ -66,24 +75,34 @@ def train_func():
                 validation = ValidationTaskConfig(fn_kwargs={"offset": 0.5})
             train.report({"step": step}, checkpoint=Checkpoint.from_directory(folder), validation=validation)
     seen = train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.VALIDATED)
-    return [{"step": reported.metrics["step"], "status": reported.status.value, "metrics": reported.metrics}
-            for reported in seen]
+    return [
+        {"step": reported.metrics["step"], "status": reported.status.value, "metrics": reported.metrics}
+        for reported in seen
+    ]
 
 
 trainer = TorchTrainer(
     train_func,
     scaling_config=ScalingConfig(num_workers=2),
     run_config=RunConfig(
-        name="same_script", storage_path=args.storage,
-        checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_loss",
-                                           checkpoint_score_order="min"),
+        name="same_script",
+        storage_path=args.storage,
+        checkpoint_config=CheckpointConfig(
+            num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"
+        ),
     ),
     validation_config=ValidationConfig(fn=validate, task_config=ValidationTaskConfig(fn_kwargs={"offset": 0.0})),
 )
 result = trainer.fit()
-print(json.dumps({
-    "in_train_func": sorted(result.return_value, key=lambda item: item["step"]),
-    "result_metrics": result.metrics,
-    "best": [metrics for _, metrics in result.best_checkpoints],
-    "latest_value": float(open(os.path.join(result.checkpoint.path, "value.txt")).read()),
-}))
+with open(os.path.join(result.checkpoint.path, "value.txt")) as handle:
+    latest_value = float(handle.read())
+print(
+    json.dumps(
+        {
+            "in_train_func": sorted(result.return_value, key=lambda item: item["step"]),
+            "result_metrics": result.metrics,
+            "best": [metrics for _, metrics in result.best_checkpoints],
+            "latest_value": latest_value,
+        }
+    )
+)

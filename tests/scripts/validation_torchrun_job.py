@@ -29,7 +29,10 @@ def train() -> None:
             lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder), validation=True)
 
 
-result = TorchTrainer(train, scaling_config=ScalingConfig(num_workers=2),
-                      run_config=RunConfig(name="validated", storage_path=sys.argv[1]),
-                      validation_config=ValidationConfig(validate)).fit()
+result = TorchTrainer(
+    train,
+    scaling_config=ScalingConfig(num_workers=2),
+    run_config=RunConfig(name="validated", storage_path=sys.argv[1]),
+    validation_config=ValidationConfig(validate),
+).fit()
 print("RESULT", os.environ["RANK"], os.getpid(), json.dumps([metrics for _, metrics in result.best_checkpoints]))
