@@ -344,3 +344,146 @@ def test_long_work_on_rank_0_while_the_others_wait_in_report_is_no_hang(storage_
         upload_s=5.0,
     )
     assert result.metrics == {"step": 9, "done": True} and result.checkpoint is not None
+
+
+# -- progress that is not a training step (found in review) -------------------------------------
+
+
+def test_a_rank_busy_past_the_busy_limit_is_due_and_a_finished_rank_is_no_longer_busy() -> None:
+    clock = Clock()
+    assert HangRule.from_config(FailureConfig(report_timeout_s=100.0)).busy_limit_s == 100.0
+    watch = HangWatch(HangRule(timeout_s=5.0, busy_limit_s=100.0), clock)
+    watch.progress(protocol.Progress(rank=0, work=10, steps=3, busy=True))
+    clock.now += 99
+    assert not watch.due(), "an upload within report_timeout_s is progress"
+    clock.now += 1
+    assert watch.due(), "an upload stuck past report_timeout_s is a hang"
+
+    watch = HangWatch(HangRule(timeout_s=5.0), clock)
+    watch.progress(protocol.Progress(rank=1, work=10, steps=3, busy=True))
+    watch.rank_ended(1)  # its last word was "busy", then its train function ended
+    clock.now += 5
+    assert watch.due(), "a finished rank's last busy flag held the alarm off for the whole attempt"
+
+
+def evaluate_beside_training(config: dict[str, Any]) -> None:
+    """Rank 0 evaluates for ``eval_s`` through the model prepare_model returned (or, with
+    ``inner``, through ``model.module``, as rank-0-only evaluation does), while any other rank
+    waits in report()."""
+    rank = lockstep.get_context().get_world_rank()
+    model = prepare_model(torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(6):
+        model(torch.randn(8, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 3 and rank == 0:
+            network = model.module if config["inner"] else model
+            end = time.monotonic() + config["eval_s"]
+            with torch.no_grad():
+                while time.monotonic() < end:
+                    network(torch.randn(8, 16))
+                    time.sleep(0.01)
+        lockstep.report({"step": step})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("workers", "inner"), [(1, False), (2, True)])
+def test_evaluating_through_the_inner_or_unwrapped_model_is_no_hang(
+    storage_path: str, workers: int, inner: bool
+) -> None:
+    result = TorchTrainer(
+        evaluate_beside_training,
+        train_loop_config={"inner": inner, "eval_s": 5.0},  # 2.5 times the threshold
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(hang_timeout_s=2.0)),
+    ).fit()
+    assert result.metrics == {"step": 5}
+
+
+def validate_slowly(checkpoint: Checkpoint) -> dict[str, float]:
+    time.sleep(5.0)  # 2.5 times the threshold
+    return {"score": 1.0}
+
+
+def wait_for_the_validation(config: dict[str, Any]) -> list[str]:
+    for step in range(3):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step.txt").write_text(str(step))
+            lockstep.report({"step": step}, checkpoint=Checkpoint.from_directory(folder), validation=step == 2)
+    return [reported.status.value for reported in lockstep.get_all_reported_checkpoints()]  # waits for it
+
+
+@pytest.mark.timeout(120)
+def test_ranks_waiting_for_a_validation_are_no_hang(storage_path: str) -> None:
+    from lockstep.validation import ValidationConfig
+
+    result = TorchTrainer(
+        wait_for_the_validation,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, failure_config=FailureConfig(hang_timeout_s=2.0)),
+        validation_config=ValidationConfig(validate_slowly),
+    ).fit()
+    assert result.return_value[-1] == "VALIDATED"
+
+
+def upload_that_never_ends(checkpoint: Checkpoint, dir_name: str) -> Checkpoint:
+    threading.Event().wait()  # a copy onto a hard-mounted NFS that went away
+    raise AssertionError("unreachable")
+
+
+def report_one_stuck_async_upload(config: dict[str, Any]) -> None:
+    rank = lockstep.get_context().get_world_rank()
+    for step in range(4):
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "step.txt").write_text(str(step))
+            lockstep.report(
+                {"step": step},
+                checkpoint=Checkpoint.from_directory(folder) if step == 1 else None,
+                checkpoint_upload_mode="ASYNC",
+                checkpoint_upload_fn=upload_that_never_ends if rank == 0 else None,
+            )
+
+
+@pytest.mark.timeout(120)
+def test_an_upload_stuck_past_report_timeout_s_is_named_as_a_hang(storage_path: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError) as raised:
+        TorchTrainer(
+            report_one_stuck_async_upload,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(
+                storage_path=storage_path, failure_config=FailureConfig(hang_timeout_s=2.0, report_timeout_s=4.0)
+            ),
+        ).fit()
+    error = raised.value
+    assert list(error.failures) == [0] and error.failures[0].error_type == "Hang", str(error)
+    assert "in lockstep's own work (saving or uploading a checkpoint) for longer than" in str(error)
+    assert "report_timeout_s=4 s" in str(error) and "upload_that_never_ends" in str(error)
+    assert time.monotonic() - started < 60, "named long after report_timeout_s (4 s) and the probe (3 s)"
+
+
+def test_the_lightning_strategies_count_each_step_as_progress() -> None:
+    from lockstep._internal.rank.progress import PROGRESS
+    from lockstep.lightning._classes import _LockstepParallel
+
+    class Steps:
+        def training_step(self, *args: Any, **kwargs: Any) -> str:
+            return "trained"
+
+        def validation_step(self, *args: Any, **kwargs: Any) -> str:
+            return "validated"
+
+        def test_step(self, *args: Any, **kwargs: Any) -> str:
+            return "tested"
+
+        def predict_step(self, *args: Any, **kwargs: Any) -> str:
+            return "predicted"
+
+    class Strategy(_LockstepParallel, Steps):
+        pass
+
+    strategy = object.__new__(Strategy)
+    before = PROGRESS.work
+    done = [strategy.training_step(1), strategy.validation_step(1), strategy.test_step(1), strategy.predict_step(1)]
+    assert done == ["trained", "validated", "tested", "predicted"] and PROGRESS.work == before + 4

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO_ROOT, running_after, sigint_raises
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -424,3 +426,35 @@ def test_sigterm_is_a_preemption_notice_in_local_mode_too(tmp_path: Path) -> Non
     assert process.returncode == 0 and "PREEMPTED [0]" in stdout, stdout + stderr
     record = json.loads((tmp_path / "results" / "preempted" / "lockstep_run.json").read_text())
     assert record["status"] == "preempted"
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_fit_waits_for_a_validation_records_the_run_interrupted(tmp_path: Path) -> None:
+
+    marker = tmp_path / "validation_pid"
+    script = Path(__file__).parent / "scripts" / "local_mode_ctrl_c.py"
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(marker)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_raises,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not marker.exists() or not marker.read_text():
+            assert driver.poll() is None, f"the driver ended before the validation started: {driver.communicate()}"
+            assert time.monotonic() < deadline, "the validation never started"
+            time.sleep(0.05)
+        validation_pid = int(marker.read_text())
+        driver.send_signal(signal.SIGINT)
+        _, stderr = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert driver.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
+    record = json.loads((tmp_path / "ctrl-c" / "lockstep_run.json").read_text())
+    assert record["status"] == "interrupted", f"the record says {record['status']!r}\n{stderr}"
+    assert record["checkpoints"][0]["validation"] == "PENDING_VALIDATION"  # the next run validates it
+    assert not running_after([validation_pid], 10), "the validation process outlived the interrupted run"

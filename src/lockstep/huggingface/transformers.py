@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, cast
 
+import torch
 import torch.distributed as dist
 import transformers
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -32,6 +33,7 @@ from transformers.trainer_callback import TrainerCallback, TrainerControl, Train
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import lockstep
+from lockstep._internal.rank.progress import count_forward_passes
 from lockstep.checkpoint import Checkpoint
 
 __all__ = ["RayTrainReportCallback", "prepare_trainer"]
@@ -214,6 +216,8 @@ def prepare_trainer(trainer: transformers.Trainer) -> transformers.Trainer:
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"prepare_trainer() takes a transformers.Trainer, got {type(trainer).__name__}.")
     trainer.__class__ = _batch_iterable_trainer_class(type(trainer))
+    if isinstance(trainer.model, torch.nn.Module):  # its evaluation loop is progress too, for the hang detector
+        count_forward_passes(trainer.model)
     return trainer
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep._internal.rank.progress import count_work
 from lockstep._internal.rank.torch_devices import get_device
 from lockstep.checkpoint import Checkpoint
 from lockstep.context import CheckpointUploadMode, get_context, report
@@ -123,6 +124,26 @@ class _LockstepParallel:
             dist.destroy_process_group()
             _restore(saved)
         self._lockstep_owned_group = None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's step; each one counts as the rank's progress (for the hang detector)."""
+        count_work()
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's validation step, counted as progress: validating is not hanging."""
+        count_work()
+        return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's test step, counted as progress."""
+        count_work()
+        return super().test_step(*args, **kwargs)  # type: ignore[misc]
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's predict step, counted as progress."""
+        count_work()
+        return super().predict_step(*args, **kwargs)  # type: ignore[misc]
 
     def _get_process_group_backend(self) -> str:
         if _group_exists():

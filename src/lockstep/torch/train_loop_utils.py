@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from lockstep._internal.rank.progress import count_forward
+from lockstep._internal.rank.progress import count_forward_passes
 from lockstep._internal.rank.session_state import current_session
 from lockstep._internal.rank.step_timing import timed_batches, with_all_reduce_timing
 from lockstep._internal.rank.torch_devices import _map_tensors, get_device, get_devices, move_to_device
@@ -79,6 +79,7 @@ def prepare_model(
     device = move_to_device if isinstance(move_to_device, torch.device) else get_device()
     if move_to_device is not False:
         model = model.to(device)
+    count_forward_passes(model)  # progress for the hang detector, through a wrapper or not (model.module)
     _, world_size = _world()
     if world_size <= 1 or parallel_strategy is None:
         return model
@@ -86,8 +87,7 @@ def prepare_model(
 
 
 def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """The model wrapped for ``strategy``; each of its forward passes counts as the rank's
-    progress (for the hang detector)."""
+    """The model wrapped for ``strategy``."""
     if strategy == "ddp":
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device])
@@ -95,7 +95,6 @@ def _wrap(model: torch.nn.Module, device: torch.device, strategy: str, kwargs: d
         wrapped = with_all_reduce_timing(DistributedDataParallel(model, **kwargs))
     else:
         wrapped = shard_model(model, device, kwargs)
-    wrapped.register_forward_pre_hook(count_forward)
     return wrapped
 
 

@@ -56,6 +56,12 @@ def drive_beside_rank_0(
         outcome = run_rank(controller)
     finally:
         thread.rank_done.set()
+    try:
+        thread.ended.wait()  # not join(): a join that Ctrl-C interrupts takes the thread for ended
+    except BaseException:  # Ctrl-C while the controller still works (it waits for validations)
+        controller.preemption.hang_up("Ctrl-C while fit() waited for the run to end")
+        thread.ended.wait()  # it aborts the validations and records the run interrupted
+        raise
     thread.join()
     return outcome, thread
 
@@ -68,6 +74,7 @@ class ControllerThread(threading.Thread):
 
     Attributes:
         rank_done: Set by the main thread once rank 0's train function has ended.
+        ended: Set when the run has ended (its result or error is in place).
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class ControllerThread(threading.Thread):
         self.drive = drive
         self.announce = announce
         self.rank_done = threading.Event()
+        self.ended = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -85,6 +93,8 @@ class ControllerThread(threading.Thread):
             self.result = self.drive()
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
             self.error = error
+        finally:
+            self.ended.set()
         if self.announce is not None and not self.rank_done.wait(STUCK_GRACE_S):
             self._end_stuck_rank(self.announce)
 

@@ -235,8 +235,8 @@ class LocalWorkerGroup(ChannelGroup):
         for process in self._processes.values():
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
-        for process in self._processes.values():
-            process.wait()
+        for rank, process in self._processes.items():
+            _reap(rank, process)
         for handle in self._exit_handles.values():
             os.close(handle)
         self._exit_handles.clear()
@@ -248,3 +248,22 @@ class LocalWorkerGroup(ChannelGroup):
             os.close(stack_fd)
         self._stack_fds.clear()
         self._store = None
+
+
+def _reap(rank: int, process: RankProcess) -> None:
+    """Wait for a killed rank's process, at most :data:`REAP_WAIT_S`: one in uninterruptible I/O
+    (a hard-mounted NFS that went away) can't die, and the run must not wait on it forever."""
+    try:
+        process.wait(timeout=REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        logger.error(
+            "rank %d (pid %d) is still there %g s after SIGKILL: it is stuck in the kernel (uninterruptible "
+            "I/O, e.g. on a storage that stopped answering); lockstep goes on without it.",
+            rank,
+            process.pid,
+            REAP_WAIT_S,
+        )
+
+
+#: How long :meth:`LocalWorkerGroup.stop` waits for each killed rank's process.
+REAP_WAIT_S = 30.0

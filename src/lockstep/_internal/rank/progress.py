@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from time import perf_counter_ns
 from typing import Any
 
-__all__ = ["PROGRESS", "RankProgress", "count_forward", "count_optimizer_steps"]
+__all__ = ["PROGRESS", "RankProgress", "count_forward", "count_forward_passes", "count_optimizer_steps", "count_work"]
 
 #: How many recent step times the median is taken over.
 STEP_TIMES_KEPT = 20
@@ -106,6 +106,18 @@ _optimizer_hook: Any = None
 def count_forward(module: Any, inputs: Any) -> None:
     """A forward pre-hook: a forward pass of a prepared model is a unit of work (a module-level
     function, so that a model with the hook still pickles)."""
+    PROGRESS.work += 1
+
+
+def count_forward_passes(module: Any) -> None:
+    """Count every forward pass of ``module`` (also when called directly, not through a wrapper
+    around it) as a unit of work, once however often this is called for it."""
+    if count_forward not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(count_forward)
+
+
+def count_work() -> None:
+    """One unit of work done (a step of a loop lockstep does not see, e.g. Lightning's)."""
     PROGRESS.work += 1
 
 

@@ -170,6 +170,8 @@ class AttemptEvents:
         )
 
     def _on_exited(self, exited: WorkerExited, attempt: Attempt, group: WorkerGroup) -> None:
+        if attempt.hangs is not None:
+            attempt.hangs.rank_ended(exited.rank)
         attempt.liveness.exit(exited, group.output_tail)
         self.listeners.on_workers_changed(attempt.liveness.alive)
 
@@ -182,6 +184,8 @@ class AttemptEvents:
             logger.debug("%d workers connected in %.2f s.", liveness.world_size, time.monotonic() - liveness.started_at)
 
     def _on_finished(self, finished: protocol.Finished, attempt: Attempt, group: WorkerGroup) -> None:
+        if attempt.hangs is not None:
+            attempt.hangs.rank_ended(finished.rank)
         attempt.liveness.finish(finished.rank)
         if finished.rank == 0:
             attempt.return_value = group.return_value(finished)
@@ -238,6 +242,8 @@ class AttemptEvents:
             else:
                 group.send(query.rank, protocol.ReportedCheckpoints(self._reported_checkpoints()))
         attempt.queries = waiting
+        if attempt.hangs is not None and validating and any(query.validated for query, _ in waiting):
+            attempt.hangs.saw_progress()  # that rank waits for the driver's validation (its own bound), not hung
 
     def _reported_checkpoints(self) -> list[CheckpointEntry]:
         """The kept checkpoints in Ray Train's order: report order, or worst to best by the

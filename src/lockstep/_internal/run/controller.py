@@ -217,7 +217,7 @@ class Controller:
         """As in Ray Train, a run that ends (finished, stopped or failed) first lets its
         pending validations end; an interrupted or preempted one stops them instead."""
         if self.validations is not None:
-            self.validations.wait_all()
+            self.validations.wait_all(check=lambda: self.preemption.stops_now)  # raises HangUp once interrupted
 
     def _latest_name(self) -> str | None:
         latest = self.recorder.latest_entry()

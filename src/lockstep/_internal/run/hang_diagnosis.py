@@ -73,6 +73,9 @@ def hang_failures(watch: HangWatch, running: Iterable[int], in_lockstep: Mapping
     waits = {rank: place for rank in running if (place := in_lockstep.get(rank) or _torch_collective(watch, rank))}
     others = [rank for rank in running if rank not in waits]
     head = f"no rank has made progress for {watch.quiet_s():.3g} s (no training step, report or collective)"
+    stuck_working = [rank for rank in running if rank in watch.busy]
+    if stuck_working:
+        return [FailureKind.HANG.failure(rank, _stuck_in_own_work(head, watch)) for rank in stuck_working]
     rule = f"The hang threshold: {watch.rule.describe(watch.stepped, watch.step_s)}. {FIX}"
     if not others:
         return [
@@ -94,6 +97,15 @@ def hang_failures(watch: HangWatch, running: Iterable[int], in_lockstep: Mapping
         return [FailureKind.HANG.failure(rank, none_behind) for rank in running]
     waiting = f" while {_places(waits)}" if waits else ""
     return [FailureKind.HANG.failure(rank, f"{head}; this rank {why[rank]}{waiting}. {rule}") for rank in why]
+
+
+def _stuck_in_own_work(head: str, watch: HangWatch) -> str:
+    return (
+        f"{head}; this rank has been in lockstep's own work (saving or uploading a checkpoint) for longer than "
+        f"FailureConfig.report_timeout_s={watch.rule.busy_limit_s:g} s without finishing it: storage that stopped "
+        "answering (a lost NFS mount) or a checkpoint_upload_fn that never returns; see where it is below. For "
+        "checkpoints that take longer to write, raise report_timeout_s."
+    )
 
 
 def _torch_collective(watch: HangWatch, rank: int) -> str | None:

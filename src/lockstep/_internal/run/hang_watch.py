@@ -10,8 +10,8 @@ soon has every rank stuck (the others wait for it), so one clock is enough: the 
 rank last made progress. Each event costs O(1), whatever the number of ranks.
 
 When that time passes the threshold of :class:`HangRule` (by default max(60 s, 10 x the median
-recent step time); 600 s before the first training step of the attempt), and no rank is in
-lockstep's own long work, the watch asks every running rank where it is
+recent step time); 600 s before the first training step of the attempt; while a rank is in
+lockstep's own long work, at least ``FailureConfig.report_timeout_s``), the watch asks every running rank where it is
 (:class:`protocol.StacksWanted`), waits up to :data:`PROBE_WAIT_S` for the answers, and
 :mod:`lockstep._internal.run.hang_diagnosis` names the ranks that stopped. Any progress in the
 meantime calls the alarm off.
@@ -51,18 +51,27 @@ class HangRule:
         timeout_s: After the first training step: the least time without progress that is a hang.
         step_multiple: ... or this many median step times, when that is longer.
         first_step_timeout_s: Before the first training step (None: no hang is named then).
+        busy_limit_s: While a rank is in lockstep's own long work (a checkpoint upload), the
+            least time without other progress that is a hang (``FailureConfig.report_timeout_s``;
+            None: no hang is named then).
     """
 
     timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     step_multiple: float = DEFAULT_HANG_STEP_MULTIPLE
     first_step_timeout_s: float | None = DEFAULT_HANG_FIRST_STEP_TIMEOUT_S
+    busy_limit_s: float | None = None
 
     @classmethod
     def from_config(cls, config: FailureConfig) -> HangRule | None:
         """The rule ``config`` asks for; None when it turns the detector off."""
         if config.hang_timeout_s is None:
             return None
-        return cls(config.hang_timeout_s, config.hang_step_multiple, config.hang_first_step_timeout_s)
+        return cls(
+            timeout_s=config.hang_timeout_s,
+            step_multiple=config.hang_step_multiple,
+            first_step_timeout_s=config.hang_first_step_timeout_s,
+            busy_limit_s=config.report_timeout_s,
+        )
 
     def threshold_s(self, stepped: bool, median_step_s: float | None) -> float | None:
         """The time without progress that is a hang: before the first step (``stepped``
@@ -140,6 +149,10 @@ class HangWatch:
         if changed:
             self.saw_progress()
 
+    def rank_ended(self, rank: int) -> None:
+        """``rank``'s train function ended (or its process did): its last word on long work is void."""
+        self.busy.discard(rank)
+
     def report_done(self) -> None:
         """Every rank made a report: with no step counted, report intervals stand for steps."""
         now = self.clock()
@@ -168,12 +181,16 @@ class HangWatch:
 
     def time_to_deadline(self) -> float | None:
         """Seconds until the watch has something to do: the end of its probe, or the threshold
-        (None while a rank is in lockstep's own long work, or no threshold applies)."""
+        (while a rank is in lockstep's own long work, the longer busy limit; None when no
+        threshold applies)."""
         now = self.clock()
         if self.probe_started_at is not None:
             return max(0.0, self.probe_started_at + PROBE_WAIT_S - now)
         threshold = self.threshold_s()
-        if threshold is None or self.busy:
+        if threshold is not None and self.busy:
+            limit = self.rule.busy_limit_s
+            threshold = None if limit is None else max(threshold, limit)
+        if threshold is None:
             return None
         return max(0.0, self.last_progress_at + threshold - now)
 

@@ -25,6 +25,7 @@ import abc
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,16 +170,19 @@ class Validations:
         deadlines = [left for flight in self._in_flight if (left := flight.time_left(now)) is not None]
         return max(0.0, min([POLL_INTERVAL_S, *deadlines]))
 
-    def wait_all(self) -> None:
-        """Run every waiting validation to its end (``fit()`` waits for them before it returns)."""
+    def wait_all(self, check: Callable[[], object] | None = None) -> None:
+        """Run every waiting validation to its end (``fit()`` waits for them before it returns);
+        ``check`` is called every :data:`POLL_INTERVAL_S` meanwhile, and stops the wait by raising."""
         if self.pending:
             logger.info("Waiting for %d checkpoint validation(s) to end.", len(self._waiting) + len(self._in_flight))
         while self.pending:
+            if check is not None:
+                check()
             self.poll()
             if self._in_flight:
                 flight = self._in_flight[0]
                 left = flight.time_left(time.monotonic())
-                flight.running.wait(None if left is None else max(0.0, left))
+                flight.running.wait(POLL_INTERVAL_S if left is None else max(0.0, min(left, POLL_INTERVAL_S)))
 
     def abort(self) -> None:
         """Stop the validations in flight; they stay pending in the record (the next run of the
