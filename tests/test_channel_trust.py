@@ -25,7 +25,7 @@ from lockstep import RunConfig, ScalingConfig, TrainingFailedError
 from lockstep._internal.executors.channels import WorkerConnections
 from lockstep._internal.executors.shared_secret import SECRET_FOLDER, read_secret, write_secret
 from lockstep._internal.persist.storage import RunStorage
-from lockstep._internal.wire import channel, protocol
+from lockstep._internal.wire import channel, codec, protocol
 from lockstep.collective import broadcast_from_rank_zero
 from lockstep.torch import TorchTrainer
 
@@ -237,7 +237,7 @@ def test_under_torchrun_a_reader_of_the_store_cannot_connect_and_no_rogue_runs_c
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     store = json.loads((out_dir / "store.json").read_text())
-    assert store["entry keys"] == ["address", "secret_file"], "the store holds more than where to connect"
+    assert store["entry keys"] == ["secret_file"], "the store holds more than the name of the secret's file"
     assert all(outcome == "refused" for name, outcome in store.items() if name != "entry keys"), store
     assert_rogue_refused(str(out_dir / "env.json"), str(out_dir / "MARKER"))
     results = [
@@ -251,10 +251,109 @@ def test_under_torchrun_a_reader_of_the_store_cannot_connect_and_no_rogue_runs_c
 
 def test_the_secret_file_is_private_and_its_name_is_checked(tmp_path: Path) -> None:
     storage = RunStorage(str(tmp_path / "run"))
-    name = write_secret(storage, b"s" * 32)
+    name = write_secret(storage, b"s" * 32, "10.0.0.1:4242")
     path = tmp_path / "run" / SECRET_FOLDER / name
-    assert path.stat().st_mode & 0o777 == 0o600 and read_secret(storage, name) == b"s" * 32
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert read_secret(storage, name) == (b"s" * 32, "10.0.0.1:4242")
     with pytest.raises(ValueError, match="something else wrote to torchrun's store"):
         read_secret(storage, "../../etc/passwd")
     with pytest.raises(FileNotFoundError, match="every rank must see the same"):
         read_secret(storage, "channel-" + "0" * 32 + ".key")
+
+
+# -- found in review: what an unproven or duplicate peer, or a store writer, could do ------------
+
+
+def handshake_frame(payload: bytes) -> bytes:
+    from lockstep._internal.wire.frames import frame
+
+    return frame(payload)
+
+
+def test_a_deeply_nested_hello_or_a_non_ascii_proof_is_refused_and_the_driver_goes_on(
+    connections: WorkerConnections,
+) -> None:
+    with socket.create_connection(connections.listener.address, timeout=30) as nested:
+        nested.sendall(handshake_frame(b"[" * 3000))  # json's recursion limit, inside the 4 KiB bound
+        assert pump(connections, 1.0) == []
+    with socket.create_connection(connections.listener.address, timeout=30) as raw:
+        raw.sendall(handshake_frame(codec.encode(protocol.Hello(0, 1, "rogue", os.urandom(32).hex()))))
+        assert pump(connections, 1.0) == [] and raw.recv(4096), "no Challenge came"
+        raw.sendall(handshake_frame(json.dumps({"~type": "Proof", "proof": "\u00e9" * 64}).encode()))
+        assert pump(connections, 1.0) == []
+    right, _ = connect_in_thread(connections, 0, connections.worker_env(0))
+    assert isinstance(right, channel.WorkerChannel), "the driver's loop did not survive the rogue handshakes"
+    right.close()
+
+
+def test_two_handshakes_for_one_rank_open_one_channel(connections: WorkerConnections) -> None:
+    from multiprocessing.connection import Connection
+
+    credential = connections.listener.credential(1)
+    opened = []
+    for pid in (100, 101):
+        worker = Connection(socket.create_connection(connections.listener.address, timeout=30).detach())
+        nonce = os.urandom(32)
+        worker.send_bytes(codec.encode(protocol.Hello(1, pid, "host", nonce.hex())))
+        opened.append((worker, nonce))
+    events = pump(connections, 0.5)
+    for worker, nonce in opened:  # both prove rank 1 before either channel is open
+        challenge = codec.decode(worker.recv_bytes())
+        proof = channel._proof(credential, channel._RANK_LABEL, bytes.fromhex(challenge.nonce), nonce)
+        worker.send_bytes(codec.encode(protocol.Proof(proof)))
+    events += pump(connections, 1.0)
+    assert [event.pid for event in events if isinstance(event, protocol.Hello)] == [100]
+    for worker, _ in opened:
+        worker.close()
+
+
+def test_a_failed_message_without_a_failure_closes_the_channel(connections: WorkerConnections) -> None:
+    worker, _ = connect_in_thread(connections, 1, connections.worker_env(1))
+    worker._connection.send_bytes(json.dumps({"~type": "Failed", "failure": {"rank": 1}}).encode())
+    events = connections.drain_rank(1, until_closed_s=5)
+    assert [event.failure.error_type for event in events] == ["ChannelViolation"]
+    worker.close()
+
+
+def test_a_rank_gives_up_on_a_listener_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel, "RANK_HANDSHAKE_WAIT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        env = {channel.ENV_DRIVER_ADDRESS: f"127.0.0.1:{silent.getsockname()[1]}", channel.ENV_AUTHKEY: "00" * 32}
+        started = time.monotonic()
+        with pytest.raises(channel.ChannelRefused, match="no answer to this rank's Hello within 0.5 s"):
+            channel.connect_to_driver(1, env)
+    assert time.monotonic() - started < 10
+
+
+class StoreOf:
+    """torchrun's store as await_channel reads it (what a store writer may have rewritten)."""
+
+    def __init__(self, entries: dict[str, str]) -> None:
+        self.entries = entries
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        assert all(key in self.entries for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.entries[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.entries for key in keys)
+
+
+class LaunchOf:
+    rank = 1
+
+    def key(self, name: str) -> str:
+        return f"test/{name}"
+
+
+def test_under_torchrun_the_channel_address_comes_from_the_run_folder_not_the_store(tmp_path: Path) -> None:
+    from lockstep._internal.executors.torchrun_store import await_channel
+
+    storage = RunStorage(str(tmp_path / "run"))
+    name = write_secret(storage, b"s" * 32, "10.0.0.1:4242")
+    rewritten = json.dumps({"secret_file": name, "address": "attacker.example:1"})  # a store writer's entry
+    env = await_channel(LaunchOf(), StoreOf({"test/channel": rewritten}), storage)  # type: ignore[arg-type]
+    assert env[channel.ENV_DRIVER_ADDRESS] == "10.0.0.1:4242"
+    assert env[channel.ENV_AUTHKEY] == channel.rank_credential(b"s" * 32, 1).hex()

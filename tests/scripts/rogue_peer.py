@@ -3,8 +3,9 @@
 ``rogue_peer.py env OUT MARKER``: run from a rank's train function with the rank's environment
 (its own credential): connect as a rank that does not exist, as itself a second time, and as
 rank 0 with its own credential. ``rogue_peer.py store OUT MARKER``: knowing only torchrun's
-rendezvous store (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID): read the channel's entry and
-connect with whatever it holds.
+rendezvous store (MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and the channel's address (as a
+port scan finds it: ROGUE_DRIVER_ADDRESS): read the channel's entry and connect with whatever it
+holds.
 
 Every channel it gets (none, if the driver is right) carries a pickled ``Finished`` and a pickled
 broadcast claimed for rank 0, whose unpickling would create MARKER. OUT gets one JSON object:
@@ -75,9 +76,11 @@ def from_store(marker: str) -> dict[str, Any]:
     found = {name: str(value) for name, value in entry.items()}
     guesses = [value for value in found.values() if len(value) == 64] or [secrets.token_hex(32)]
     outcome: dict[str, Any] = {"entry keys": sorted(entry)}
+    # the store names no address (it comes from the run folder): take the one a port scan would find
+    address = entry.get("address") or os.environ["ROGUE_DRIVER_ADDRESS"]
     for rank in (0, 1):
         for number, guess in enumerate(guesses):
-            env = {ENV_DRIVER_ADDRESS: entry["address"], channel.ENV_AUTHKEY: guess}
+            env = {ENV_DRIVER_ADDRESS: address, channel.ENV_AUTHKEY: guess}
             outcome[f"rank {rank} guess {number}"] = attempt(rank, env, marker)
     return outcome
 

@@ -52,6 +52,7 @@ def rank_1_channel_env() -> dict[str, str]:
 def run_rogues(out_dir: str) -> None:
     marker = str(Path(out_dir, "MARKER"))
     only_store = {name: os.environ[name] for name in STORE_VARIABLES if name in os.environ}
+    only_store["ROGUE_DRIVER_ADDRESS"] = rank_1_channel_env()["LOCKSTEP_DRIVER_ADDRESS"]
     subprocess.run(
         [sys.executable, ROGUE, "store", str(Path(out_dir, "store.json")), marker],
         env=only_store,

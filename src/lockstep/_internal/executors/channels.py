@@ -158,11 +158,14 @@ class WorkerConnections:
                 if proven is not None:
                     self._open(peer, proven)
                     return [proven, *self._messages(peer, frames)]
-        except (OSError, ValueError) as error:  # ChannelRefused is an OSError
-            self._refuse(peer, str(error) or type(error).__name__)
+        except Exception as error:  # noqa: BLE001 - whatever an unproven peer sends can't end the run
+            self._refuse(peer, str(error) or type(error).__name__)  # ChannelRefused, ValueError, ...
         return []
 
     def _open(self, peer: _Peer, hello: protocol.Hello) -> None:
+        reason = self._refusal(hello.rank)  # two handshakes for one rank may overlap: the first one to prove wins
+        if reason is not None:
+            raise channel.ChannelRefused(f"{peer.host} proved rank {hello.rank}, which {reason}")
         self._opening.discard(peer)
         peer.handshake, peer.rank = None, hello.rank
         peer.reader.max_frame = None

@@ -37,6 +37,7 @@ from lockstep._internal.executors.torchrun_store import (
     await_channel,
     await_end,
     publish_channel,
+    publish_host,
     rendezvous_store,
     shared_run_name,
 )
@@ -128,8 +129,9 @@ class ExternalExecutor(Executor):
         secret_files: list[str] = []
 
         def publish(controller: Controller) -> None:
-            secret_files.append(write_secret(job.storage, group.listener.secret))
-            publish_channel(self.launch_info, self.store, group=group, secret_file=secret_files[0])
+            address = f"{publish_host(self.launch_info)}:{group.listener.address[1]}"
+            secret_files.append(write_secret(job.storage, group.listener.secret, address))
+            publish_channel(self.launch_info, self.store, secret_file=secret_files[0])
 
         def refuse(error: BaseException) -> None:
             publish_channel(self.launch_info, self.store, error=f"{type(error).__name__}: {error}")

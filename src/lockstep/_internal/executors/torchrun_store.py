@@ -19,7 +19,6 @@ from lockstep._internal.wire.channel import ENV_AUTHKEY, rank_credential
 from lockstep.errors import ControllerError, error_class_named
 
 if TYPE_CHECKING:
-    from lockstep._internal.executors.attached_group import AttachedGroup
     from lockstep._internal.persist.storage import RunStorage
 
 STORE_WAIT = datetime.timedelta(hours=24)
@@ -105,25 +104,16 @@ def publish_host(launch: Launch) -> str:
     return os.environ.get("LOCKSTEP_EXTERNAL_HOST") or launch.rank_env.node_addr or launch.rank_env.master_addr
 
 
-def publish_channel(
-    launch: Launch,
-    store: Any,
-    group: AttachedGroup | None = None,
-    secret_file: str | None = None,
-    error: str | None = None,
-) -> None:
-    """Rank 0 tells the other ranks where its channel is and which file of the run folder holds
-    its secret (see :mod:`lockstep._internal.executors.shared_secret`), or why there is none."""
-    if group is not None:
-        entry = {"address": f"{publish_host(launch)}:{group.listener.address[1]}", "secret_file": secret_file}
-    else:
-        entry = {"error": error or "rank 0 could not start the run"}
+def publish_channel(launch: Launch, store: Any, secret_file: str | None = None, error: str | None = None) -> None:
+    """Rank 0 tells the other ranks which file of the run folder holds its secret and its
+    channel's address (see :mod:`lockstep._internal.executors.shared_secret`), or why there is none."""
+    entry = {"secret_file": secret_file} if secret_file is not None else {"error": error or "rank 0 could not start"}
     store.set(launch.key("channel"), json.dumps(entry))
 
 
 def await_channel(launch: Launch, store: Any, storage: RunStorage) -> dict[str, str]:
-    """The environment that connects this rank to rank 0's channel: its address from the
-    store, this rank's credential from the secret rank 0 wrote into the run folder.
+    """The environment that connects this rank to rank 0's channel: its address and this rank's
+    credential from the file rank 0 wrote into the run folder (the store only names the file).
 
     Raises:
         ControllerError: rank 0 could not start the run, or what the store says is not what
@@ -134,7 +124,7 @@ def await_channel(launch: Launch, store: Any, storage: RunStorage) -> dict[str, 
     if "error" in entry:
         raise ControllerError(f"The run could not start (rank 0 says): {entry['error']}")
     try:
-        secret = read_secret(storage, str(entry.get("secret_file")))
+        channel = read_secret(storage, str(entry.get("secret_file")))
     except (ValueError, FileNotFoundError) as error:
         if isinstance(error, FileNotFoundError) and store.check(
             [launch.key("end")]
@@ -142,7 +132,7 @@ def await_channel(launch: Launch, store: Any, storage: RunStorage) -> dict[str, 
             await_end(launch, store)
             raise ControllerError(f"The run ended before rank {launch.rank} could connect to it.") from error
         raise ControllerError(f"rank {launch.rank} can't open its channel to rank 0: {error}") from error
-    return {ENV_DRIVER_ADDRESS: str(entry["address"]), ENV_AUTHKEY: rank_credential(secret, launch.rank).hex()}
+    return {ENV_DRIVER_ADDRESS: channel.address, ENV_AUTHKEY: rank_credential(channel.secret, launch.rank).hex()}
 
 
 def announce_end(launch: Launch, store: Any, error: BaseException | None) -> None:

@@ -122,6 +122,8 @@ class WarmProcess:
         request = {"op": "fork", "env": env, "cwd": os.getcwd()}
         reply, fds = self._request(request, [stdout, stderr, *files], FORK_TIMEOUT_S)
         if len(fds) != 1:
+            for handle in fds:
+                os.close(handle)
             raise WarmStartUnavailable(f"the warm process sent {len(fds)} handles for a new rank, not 1")
         self.used = True
         return int(reply["pid"]), fds[0]
@@ -150,6 +152,8 @@ class WarmProcess:
                 if reply is not None:
                     break
         if not reply.get("ok"):
+            for handle in received:
+                os.close(handle)
             raise WarmStartUnavailable(f"it refused: {reply.get('error')}")
         return reply, received
 

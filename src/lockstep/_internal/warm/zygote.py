@@ -178,10 +178,10 @@ class Zygote:
             data, fds, _, _ = socket.recv_fds(asker, MAX_MESSAGE, MAX_FDS)
         except OSError:  # a connection reset: its end
             return False
-        if not data:
-            return False
-        request = json.loads(data)
         try:
+            if not data:  # its end of stream (descriptors sent with an empty message are closed below)
+                return False
+            request = json.loads(data)
             if self.unsafe is not None:
                 raise RuntimeError(f"the warm process can't fork safely: {self.unsafe}")
             if request["op"] == "prepare":

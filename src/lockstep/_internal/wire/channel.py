@@ -36,12 +36,16 @@ from typing import Any
 from lockstep._internal.rank.rank_env import ENV_DRIVER_ADDRESS
 from lockstep._internal.wire import codec, protocol
 from lockstep._internal.wire.link_watch import watch_link
+from lockstep.errors import WorkerFailure
 
 ENV_AUTHKEY = "LOCKSTEP_AUTHKEY"
 """The environment variable that holds a rank's own credential (hex)."""
 ENV_DRIVER_PID = "LOCKSTEP_DRIVER_PID"
 #: How long a connecting peer has to say hello and prove its credential.
 HANDSHAKE_TIMEOUT_S = 10.0
+#: How long a rank waits for the driver to accept it and answer its Hello (a driver busy starting
+#: many ranks answers within seconds; a listener that accepts and never answers must not hang it).
+RANK_HANDSHAKE_WAIT_S = 60.0
 #: The most bytes an unauthenticated peer may send in one frame (its Hello, its Proof).
 HELLO_MAX_BYTES = 4096
 NONCE_BYTES = 32
@@ -67,7 +71,9 @@ def check_sender(rank: int, message: Any) -> str | None:
     only the messages a worker sends, each naming the rank of its own connection."""
     if not isinstance(message, protocol.WORKER_MESSAGES) or isinstance(message, protocol.Hello):
         return f"rank {rank} sent a {type(message).__name__}, which a worker never sends on an open channel"
-    claimed = message.failure.rank if isinstance(message, protocol.Failed) else message.rank
+    if isinstance(message, protocol.Failed) and not isinstance(message.failure, WorkerFailure):
+        return f"rank {rank} sent a Failed message without a failure"
+    claimed = message.failure.rank if isinstance(message, protocol.Failed) else getattr(message, "rank", None)
     if claimed != rank:
         return f"rank {rank} sent a {type(message).__name__} that claims to come from rank {claimed}"
     return None
@@ -176,9 +182,14 @@ class DriverHandshake:
         answer = _decoded(payload, protocol.Proof, self.peer)
         worker_nonce, driver_nonce = self._nonces
         expected = _proof(self._credential, _RANK_LABEL, driver_nonce, worker_nonce)
-        if not isinstance(answer.proof, str) or not hmac.compare_digest(answer.proof, expected):
+        if not _same_proof(answer.proof, expected):
             raise ValueError(f"{self.peer} claims rank {self.hello.rank} but does not hold its credential")
         return self.hello
+
+
+def _same_proof(given: Any, expected: str) -> bool:
+    """Whether ``given`` (from the peer: anything) is ``expected``, compared in constant time."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
 
 
 def _decoded(payload: bytes, kind: type[Any], peer: str) -> Any:
@@ -239,7 +250,8 @@ def connect_to_driver(rank: int, env: Mapping[str, str] = os.environ) -> WorkerC
     """
     host, port = env[ENV_DRIVER_ADDRESS].rsplit(":", 1)
     credential = bytes.fromhex(env[ENV_AUTHKEY])
-    sock = socket.create_connection((host, int(port)))
+    sock = socket.create_connection((host, int(port)), timeout=RANK_HANDSHAKE_WAIT_S)
+    sock.settimeout(None)  # blocking again: the timeout bounded the connect; the handshake polls
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     watch_link(sock, sends_little=False)
     connection = Connection(sock.detach())
@@ -260,12 +272,14 @@ def _prove_rank(connection: Connection, rank: int, credential: bytes) -> None:
     """
     worker_nonce = secrets.token_bytes(NONCE_BYTES)
     connection.send_bytes(codec.encode(protocol.Hello(rank, os.getpid(), socket.gethostname(), worker_nonce.hex())))
+    if not connection.poll(RANK_HANDSHAKE_WAIT_S):  # a listener that accepts and never answers
+        raise TimeoutError(f"no answer to this rank's Hello within {RANK_HANDSHAKE_WAIT_S:g} s")
     challenge = codec.decode(connection.recv_bytes(HELLO_MAX_BYTES))
     if not isinstance(challenge, protocol.Challenge):
         raise ValueError(f"the driver sent a {type(challenge).__name__} instead of a Challenge")
     driver_nonce = _nonce(challenge.nonce, "the driver")
     expected = _proof(credential, _DRIVER_LABEL, worker_nonce, driver_nonce)
-    if not isinstance(challenge.proof, str) or not hmac.compare_digest(challenge.proof, expected):
+    if not _same_proof(challenge.proof, expected):
         raise ValueError("the peer could not prove it is the driver that made this rank's credential")
     connection.send_bytes(codec.encode(protocol.Proof(_proof(credential, _RANK_LABEL, driver_nonce, worker_nonce))))
 

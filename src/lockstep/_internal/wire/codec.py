@@ -50,7 +50,10 @@ def decode(data: bytes) -> Any:
     """
     if data[:1] == bytes([REPORT_MARK]):
         return _decode_report(data)
-    return json.loads(data, object_hook=_rebuilt)
+    try:
+        return json.loads(data, object_hook=_rebuilt)
+    except (RecursionError, TypeError) as error:  # nesting too deep; fields a message doesn't have
+        raise ValueError(f"not a message: {type(error).__name__}: {error}") from error
 
 
 def _encode_report(report: Report) -> bytes:
