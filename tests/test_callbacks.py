@@ -261,3 +261,19 @@ def test_the_progress_line_follows_the_hooks() -> None:
         "| loss=1 note=text | failed",
     ]
     assert progress._active is None, "an ended run's line is no longer drawn around workers' output"
+
+
+def test_a_logger_given_to_two_fits_writes_each_runs_own_files(tmp_path: Path) -> None:
+    csv_logger, json_logger = CSVLogger(), JSONLogger()
+    for name, value in (("lr_0.1", 1.0), ("lr_0.2", 2.0)):
+        run = RunInfo(name, str(tmp_path / name), 2, str(tmp_path / name / "logs"))
+        for logger in (csv_logger, json_logger):
+            logger.on_run_start(run)
+            logger.after_report(run, 0, {"loss": value})
+            logger.on_run_end(run, "finished", None)
+    for name, value in (("lr_0.1", "1.0"), ("lr_0.2", "2.0")):
+        logs = tmp_path / name / "logs"
+        assert list(csv.DictReader((logs / "metrics.csv").open())) == [{"report_index": "0", "loss": value}]
+        assert [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()] == [
+            {"report_index": 0, "loss": float(value)}
+        ]

@@ -241,3 +241,15 @@ def test_unpicklable_objects_are_named() -> None:
     payload = TrainJob(train, None, BackendConfig(), False, RunStorage("/tmp/x"))
     with pytest.raises(TypeError, match="the variable 'lock' captured by the train function can't be sent"):
         serialize_payload(payload)
+
+
+def test_a_history_line_that_is_no_report_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = RunStorage.for_run(str(tmp_path), "run")
+    storage.write_record({"status": "failed", "checkpoints": []})
+    rows = [json.dumps({"report_index": index, "metrics": {}}) for index in range(3)]
+    rows[1] = rows[1][:20] + rows[1]  # a torn append that an older rerun wrote after
+    Path(storage.path_of("reports.jsonl")).write_text("".join(row + "\n" for row in rows))
+    assert [report["report_index"] for report in storage.read_reports()] == [0, 2]
+    assert "line 2 is not a report (skipped)" in caplog.text

@@ -17,7 +17,10 @@ import xxhash
 import lockstep
 from lockstep import Checkpoint, CheckpointCorruptedError, Result, RunConfig, ScalingConfig, TrainingFailedError
 from lockstep._internal.persist.manifest import MANIFEST_DIR, merged, problem_of
+from lockstep._internal.persist.storage import RunStorage
+from lockstep._internal.run.run_record import RunRecorder
 from lockstep.cli import main as cli_main
+from lockstep.config import CheckpointConfig
 from lockstep.torch import TorchTrainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -230,3 +233,22 @@ def test_the_history_is_in_the_store_before_a_record_names_a_checkpoint(s3_env: 
     lines = s3.cat_file("runs/flushed/reports.jsonl").decode().splitlines()
     assert [json.loads(line)["report_index"] for line in lines] == list(range(40))
     log.close()
+
+
+def test_verify_calls_a_checkpoint_that_a_running_runs_retention_deleted_retired(tmp_path: Path) -> None:
+    from lockstep._internal.persist.run_check import RETIRED, UNVERIFIED, check_run
+
+    storage = RunStorage.for_run(str(tmp_path), "run")
+    recorder = RunRecorder(storage, CheckpointConfig(num_to_keep=1), world_size=1)
+    recorder.open()
+    read_by_verify = None
+    for index in range(2):
+        name = f"checkpoint_{index:06d}"
+        Path(storage.checkpoint_path(name)).mkdir()
+        recorder.log_report(index, "{}", name)
+        recorder.commit_checkpoint(name, index, {})
+        read_by_verify = read_by_verify or storage.read_record()  # verify read the record; retention went on
+    assert read_by_verify is not None
+    checks = check_run(storage, read_by_verify)
+    assert [(check.dir_name, check.state, check.bad) for check in checks] == [("checkpoint_000000", RETIRED, False)]
+    assert [check.state for check in check_run(storage, storage.read_record() or {})] == [UNVERIFIED]

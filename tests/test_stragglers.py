@@ -107,12 +107,25 @@ def test_the_progress_line_shows_the_slow_rank() -> None:
     line = progress.ProgressCallback("demo", 2, stream=io.StringIO())
     line.on_run_start(None)  # type: ignore[arg-type]
     try:
-        progress.note_slow_rank(SlowRank(1, "data", 0.71))
+        progress.note_slow_rank(SlowRank(1, "data", 0.71), "demo")
         assert "| slow: rank 1 (data)" in line.text()
-        progress.note_slow_rank(None)
+        progress.note_slow_rank(None, "demo")
         assert "slow:" not in line.text()
     finally:
         line.on_run_end(None, "finished", None)  # type: ignore[arg-type]
+
+
+def test_with_two_fits_the_slow_rank_shows_on_its_own_runs_line() -> None:
+    first = progress.ProgressCallback("trial_a", 2, stream=io.StringIO())
+    second = progress.ProgressCallback("trial_b", 2, stream=io.StringIO())
+    first.on_run_start(None)  # type: ignore[arg-type]
+    second.on_run_start(None)  # type: ignore[arg-type]
+    try:
+        progress.note_slow_rank(SlowRank(1, "data", 0.71), "trial_b")
+        assert "slow:" not in first.text() and "| slow: rank 1 (data)" in second.text()
+    finally:
+        second.on_run_end(None, "finished", None)  # type: ignore[arg-type]
+        first.on_run_end(None, "finished", None)  # type: ignore[arg-type]
 
 
 # -- real runs -------------------------------------------------------------------------------------

@@ -210,3 +210,25 @@ def test_two_workers_printing_the_same_line_show_it_once(storage_path: str, capf
         stdout_lines = [line for line in log.splitlines() if line != "and this on stderr"]
         assert "\n".join(stdout_lines).find(f"every rank says this\nonly rank {rank} says this") >= 0, log
         assert "and this on stderr" in log
+
+
+def test_a_relayed_ranks_first_stderr_chunk_without_a_line_end_is_taken(tmp_path: Path) -> None:
+    relay = OutputRelay(str(tmp_path), "rank0")
+    relay.write(1, b"loading...", True)  # a Ray rank's first output, over the channel
+    relay.write(1, b" done\n", True)
+    relay.close()
+    assert (tmp_path / "rank_1.log").read_bytes() == b"loading... done\n"
+    assert relay.stderr_tail(1) == "loading... done\n"
+
+
+def test_unfinished_lines_of_two_ranks_never_run_together_and_keep_their_tags() -> None:
+    shown: list[bytes] = []
+    console = MergingConsole(lambda text, is_stderr: shown.append(text), wait_s=0.0)
+    console.ranks = {0, 1}
+    console.take(1, b"\rprogress 0/3", False, 0.0)
+    console.take(0, b"no newline from rank 0", False, 0.0)
+    console.take(1, b"\rprogress 1/3", False, 0.0)
+    console.show_all()
+    assert b"".join(shown) == (b"[rank 1] \rprogress 0/3\n[rank 0] no newline from rank 0\n[rank 1] \rprogress 1/3"), (
+        b"".join(shown)
+    )

@@ -17,7 +17,9 @@ from lockstep.dashboard.history import ReportHistory
 
 __all__ = ["RunStore", "UnknownRun"]
 
-#: How many runs' report histories are kept in memory (the least recently viewed go first).
+#: How many runs' report histories are kept in memory at least (the least recently viewed go first;
+#: as many as the runs list shows, when it shows more, or every poll of the list would read each
+#: history from its start).
 KEPT_HISTORIES = 64
 #: How much of the end of each log file a run page shows.
 LOG_TAIL_BYTES = 64 * 1024
@@ -40,6 +42,7 @@ class RunStore:
         self.storage_path = storage_path
         self.filesystem, self.root = resolve_filesystem(storage_path, filesystem)
         self._histories: collections.OrderedDict[str, ReportHistory] = collections.OrderedDict()
+        self._runs_listed = 0  # the runs list touches every history: keep at least that many
         self._sizes: dict[str, int | None] = {}
         self._lock = threading.Lock()
 
@@ -59,6 +62,7 @@ class RunStore:
             record = self.run(name).read_record()
             if record is not None:
                 found[name] = record
+        self._runs_listed = len(found)
         return found
 
     def run(self, name: str) -> RunStorage:
@@ -88,7 +92,7 @@ class RunStore:
         with self._lock:
             history = self._histories.pop(name, None) or ReportHistory(self.run(name))
             self._histories[name] = history
-            while len(self._histories) > KEPT_HISTORIES:
+            while len(self._histories) > max(KEPT_HISTORIES, self._runs_listed):
                 self._histories.popitem(last=False)
         history.refresh(record.get("created_at") if record else None)
         return history

@@ -21,10 +21,11 @@ class JSONLogger(Callback):
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
+        self._chosen_path = path  # None: each run's own default (one logger may serve several fits)
         self._file: Any = None
 
     def on_run_start(self, run: RunInfo) -> None:
-        self.path = self.path or os.path.join(run.log_dir, "metrics.jsonl")
+        self.path = self._chosen_path or os.path.join(run.log_dir, "metrics.jsonl")
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in on_run_end
 
@@ -47,11 +48,13 @@ class CSVLogger(Callback):
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
+        self._chosen_path = path  # None: each run's own default (one logger may serve several fits)
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
 
     def on_run_start(self, run: RunInfo) -> None:
-        self.path = self.path or os.path.join(run.log_dir, "metrics.csv")
+        self.path = self._chosen_path or os.path.join(run.log_dir, "metrics.csv")
+        self._rows, self._columns = [], []
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         if os.path.exists(self.path):
             with open(self.path, newline="", encoding="utf-8") as handle:
@@ -94,12 +97,13 @@ class TensorBoardLogger(Callback):
         except ImportError as error:
             raise ImportError("TensorBoardLogger needs the tensorboard package: pip install tensorboard") from error
         self.log_dir = log_dir
+        self._chosen_dir = log_dir  # None: each run's own default (one logger may serve several fits)
         self._writer: Any = None
 
     def on_run_start(self, run: RunInfo) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = self.log_dir or os.path.join(run.log_dir, "tensorboard")
+        self.log_dir = self._chosen_dir or os.path.join(run.log_dir, "tensorboard")
         self._writer = SummaryWriter(log_dir=self.log_dir)
 
     def after_report(self, run: RunInfo, index: int, metrics: dict[str, Any]) -> None:

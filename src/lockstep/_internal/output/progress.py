@@ -188,14 +188,17 @@ def around_output(ends_line: bool = True) -> Iterator[None]:
                 line.after_output(ends_line)
 
 
-def note_slow_rank(slow: SlowRank | None) -> None:
-    """Show ``slow`` (or no slow rank) on the active progress line from its next update; log
-    when the slow rank changes."""
-    line = _active
+def note_slow_rank(slow: SlowRank | None, run_name: str) -> None:
+    """Show ``slow`` (or no slow rank) on the progress line of run ``run_name`` from its next
+    update; log when the slow rank changes (naming the run when several fits run here)."""
+    with _lock:
+        line = next((running for running in _running if running.name == run_name), None)
+        several = len(_running) > 1
     if line is None or line.slow_rank == slow:
         return
     if slow is not None and (line.slow_rank is None or line.slow_rank.rank != slow.rank):
-        log_clear_of_line(logger, logging.INFO, "slowest: %s (the other ranks wait for it)", slow.describe())
+        run = f"run {run_name}: " if several else ""
+        log_clear_of_line(logger, logging.INFO, "%sslowest: %s (the other ranks wait for it)", run, slow.describe())
     line.slow_rank = slow
 
 

@@ -13,6 +13,7 @@ progress bar), which goes to the console at once.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
 import threading
@@ -83,8 +84,9 @@ class OutputRelay:
         """Take ``chunk`` of what ``rank`` wrote: into its log, and to the console if shown."""
         with self._lock:
             self._write_log(rank, chunk, is_stderr)
-            if is_stderr:
-                self._stderr_tails[rank].extend(chunk.splitlines(keepends=True))
+            if is_stderr:  # a relayed rank's first chunk may come before its log file (no line end yet)
+                tail = self._stderr_tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+                tail.extend(chunk.splitlines(keepends=True))
             if self._merging is not None:
                 self._merging.take(rank, chunk, is_stderr, time.monotonic())
                 self._wake_timer()
@@ -110,7 +112,7 @@ class OutputRelay:
         """``rank``'s open log file (created on first use; call with the lock held)."""
         if rank not in self._files:
             self._files[rank] = open(self.log_path(rank), "ab")  # noqa: SIM115 - closed in close()
-            self._stderr_tails[rank] = collections.deque(maxlen=TAIL_LINES)
+            self._stderr_tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
         return self._files[rank]
 
     def _wake_timer(self) -> None:
@@ -257,8 +259,11 @@ class MergingConsole:
         self.wait_s = wait_s
         self.ranks: set[int] = set()
         self._show = show
-        self._waiting = {is_stderr: _WaitingLines(_shown_on(show, is_stderr)) for is_stderr in (False, True)}
+        self._waiting = {
+            is_stderr: _WaitingLines(functools.partial(self._show_whole_line, is_stderr)) for is_stderr in (False, True)
+        }
         self._unfinished: dict[tuple[int, bool], _Unfinished] = collections.defaultdict(_Unfinished)
+        self._open_line: dict[bool, tuple[int, bool]] = {}  # per stream: (rank, ends in \r) of the open line
 
     def take(self, rank: int, chunk: bytes, is_stderr: bool, now: float) -> None:
         """Take ``chunk`` of what ``rank`` wrote to stdout or stderr, arrived at ``now``."""
@@ -284,8 +289,31 @@ class MergingConsole:
         if not text:
             return
         self._waiting[is_stderr].show_rank(rank)
+        self._end_open_line(is_stderr, unless=rank)
         self._show(text if state.shown_part else rank_tag({rank}) + text, is_stderr)
         state.shown_part = not text.endswith(b"\n")
+        if state.shown_part:
+            self._open_line[is_stderr] = (rank, text.endswith(b"\r"))
+        else:
+            self._open_line.pop(is_stderr, None)
+
+    def _show_whole_line(self, is_stderr: bool, text: bytes) -> None:
+        self._end_open_line(is_stderr)
+        self._show(text, is_stderr)
+
+    def _end_open_line(self, is_stderr: bool, unless: int | None = None) -> None:
+        """Before other text: end the terminal's line where another rank's unfinished text (a
+        progress bar, a line without its newline yet) stands, so nothing runs into it (after a
+        ``\r`` the cursor is at the line's start already: the next line overwrites the bar, as
+        on any terminal); that rank's next text starts with its tag again."""
+        open_line = self._open_line.get(is_stderr)
+        if open_line is None or open_line[0] == unless:
+            return
+        owner, at_line_start = open_line
+        if not at_line_start:
+            self._show(b"\n", is_stderr)
+        self._unfinished[(owner, is_stderr)].shown_part = False
+        del self._open_line[is_stderr]
 
     def show_due(self, now: float) -> None:
         """Show what has waited ``wait_s`` by ``now``."""
@@ -318,8 +346,3 @@ def rank_tag(ranks: set[int]) -> bytes:
     if len(ranks) == 1:
         return f"[rank {next(iter(ranks))}] ".encode()
     return f"[ranks {rank_span(ranks, separator=',')}] ".encode()
-
-
-def _shown_on(show: Show, is_stderr: bool) -> Callable[[bytes], None]:
-    """``show`` for the lines of one stream."""
-    return lambda text: show(text, is_stderr)

@@ -254,7 +254,7 @@ class AttemptEvents:
         """Log report ``index``; commit its checkpoint now, or once its ASYNC uploads end."""
         dir_name = agreed_dir_name(index, calls.values())
         report = self.recorder.log_report(index, calls[0].metrics_json or "{}", dir_name, times_record(calls))
-        note_slow_rank(self.recorder.slow_ranks.slowest)
+        note_slow_rank(self.recorder.slow_ranks.slowest, self.recorder.storage.name)
         self.listeners.after_report(index, report["metrics"])
         if dir_name is not None:
             attempt.commits.reported(index, dir_name, report["metrics"], calls.values())
