@@ -39,6 +39,10 @@ def test_worker_resource_defaults() -> None:
     gpu = ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"CPU": 4})
     assert gpu.worker_resources == {"CPU": 4, "GPU": 1.0}
     assert gpu.num_cpus_per_worker == 4 and gpu.num_gpus_per_worker == 1
+    # as Ray Train: a GPU worker asks for no CPU unless told, and amounts of 0 are left out
+    assert ScalingConfig(num_workers=2, use_gpu=True).worker_resources == {"GPU": 1.0}
+    assert ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2, "memory": 0}).worker_resources == {"CPU": 2}
+    assert ScalingConfig(num_workers=2, resources_per_worker={"memory": 2**30}).worker_resources == {"memory": 2**30}
 
 
 @pytest.mark.parametrize("name", ["a/b", "..", "x/../y", "", "a\\b"])

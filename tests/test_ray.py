@@ -1014,3 +1014,67 @@ def test_ray_executor_fields_are_validated() -> None:
     with pytest.raises(ValueError, match="ray_address is set but executor='local'"):
         ScalingConfig(executor="local", ray_address="auto")
     assert ScalingConfig(ray_address="auto").wants_ray
+
+
+# -- found in review: placement on autoscaling clusters, Ctrl-C while placing, Ray's error text --
+
+
+def test_an_autoscaling_cluster_is_judged_by_the_most_its_config_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep._internal.executors import ray_placement
+
+    spec = GroupSpec(
+        num_workers=2, cpus_per_worker=0, gpus_per_worker=1, use_gpu=True, resources_per_worker={"GPU": 1.0}
+    )
+    monkeypatch.setattr(ray_placement, "alive_nodes", lambda: {"head": {"CPU": 2.0}})  # no GPU node up yet
+    monkeypatch.setattr(ray_placement, "autoscaler_max_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    ray_placement.check_request(spec)  # the autoscaler adds the GPU nodes: no refusal
+    monkeypatch.setattr(ray_placement, "autoscaler_max_resources", lambda: {"CPU": 64.0, "GPU": 1.0})
+    with pytest.raises(ValueError, match="they need GPU=2, and its autoscaler config allows at most GPU=1"):
+        ray_placement.check_request(spec)
+    monkeypatch.setattr(ray_placement, "autoscaler_max_resources", lambda: None)
+    with pytest.raises(ValueError, match="can't hold 2 worker"):  # a fixed cluster: its nodes as they are
+        ray_placement.check_request(spec)
+
+
+def test_ctrl_c_while_waiting_for_placement_removes_the_placement_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from lockstep._internal.executors import ray_placement
+
+    placement = importlib.import_module("ray.util.placement_group")  # the module (ray.util's attribute: a function)
+
+    class Waiting:
+        waits = 0
+
+        def wait(self, timeout_seconds: float) -> bool:
+            Waiting.waits += 1
+            assert timeout_seconds <= ray_placement.PLACEMENT_WAIT_SLICE_S
+            if Waiting.waits == 3:
+                raise KeyboardInterrupt
+            return False
+
+    removed: list[Any] = []
+    group = Waiting()
+    monkeypatch.setattr(ray_placement, "check_request", lambda spec, error_type: None)
+    monkeypatch.setattr(placement, "placement_group", lambda bundles, strategy: group)
+    monkeypatch.setattr(placement, "remove_placement_group", removed.append)
+    spec = GroupSpec(
+        num_workers=1,
+        cpus_per_worker=1,
+        gpus_per_worker=0,
+        use_gpu=False,
+        resources_per_worker={"CPU": 1.0},
+        placement_timeout_s=600,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        ray_placement.reserve(spec)
+    assert removed == [group] and Waiting.waits == 3
+
+
+def test_rays_error_text_loses_its_colour_codes_and_caret_lines() -> None:
+    from lockstep._internal.executors.ray_group import _first_lines
+
+    text = (
+        "\x1b[36mray::RayWorker.run()\x1b[39m (pid=12, ip=10.0.0.2)\n  File 'x.py', line 9\n    ^^^^^^\nBoom: it broke"
+    )
+    assert _first_lines(text) == "ray::RayWorker.run() (pid=12, ip=10.0.0.2) File 'x.py', line 9 Boom: it broke"

@@ -107,11 +107,15 @@ class ScalingConfig:
 
     @property
     def worker_resources(self) -> dict[str, float]:
-        """Resources of one worker, with the defaults filled in (1 CPU, plus 1 GPU with use_gpu)."""
-        resources: dict[str, float] = {"CPU": 1.0}
+        """Resources of one worker, as Ray Train fills them in: ``resources_per_worker`` (its
+        non-zero amounts), else 1 CPU, or with ``use_gpu`` 1 GPU and no CPU (nodes have many more
+        CPUs than GPUs); with ``use_gpu`` 1 GPU unless it names another amount."""
+        if self.resources_per_worker is None:
+            resources: dict[str, float] = {"GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+        else:
+            resources = {key: amount for key, amount in self.resources_per_worker.items() if amount != 0}
         if self.use_gpu:
-            resources["GPU"] = 1.0
-        resources.update(self.resources_per_worker or {})
+            resources.setdefault("GPU", 1.0)
         return resources
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -276,6 +277,11 @@ def _exit_of(rank: int, ref: Any) -> WorkerExited:
 def _first_lines(text: str, count: int = 6) -> str:
     """The first ``count`` lines of Ray's error, and its last (the exception itself, after a
     traceback), on one line."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    text = _ANSI_CODES.sub("", text)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip().strip("^~") != ""]
     shown = lines[:count] + (["…", lines[-1]] if len(lines) > count else [])
     return " ".join(shown)
+
+
+#: The terminal colour codes Ray puts in its errors' first lines.
+_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")

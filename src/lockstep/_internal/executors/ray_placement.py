@@ -3,6 +3,7 @@ hold, the errors that say why a request can't be met, and the ranks of placed ac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,7 @@ def _short_resources(resources: Mapping[str, float]) -> str:
     return ", ".join(
         f"{key}={_amount(key, value)}"
         for key, value in sorted(resources.items())
-        if not key.startswith("node:") and key != "object_store_memory"
+        if not key.startswith("node:") and key != "object_store_memory" and "_group_" not in key
     )
 
 
@@ -94,8 +95,13 @@ def alive_nodes() -> dict[str, dict[str, float]]:
 
 
 def check_request(spec: GroupSpec, error_type: type[Exception] = ValueError) -> None:
-    """Raise ``error_type`` when the cluster as it is can never hold the workers."""
+    """Raise ``error_type`` when the cluster can never hold the workers: its nodes as they are,
+    or on an autoscaling cluster (nodes come as they are needed) the most its config allows."""
     bundle = worker_bundle(spec)
+    most = autoscaler_max_resources()
+    if most is not None:
+        _check_against_the_most(spec, bundle, most, error_type)
+        return
     nodes = alive_nodes()
     problem = placement_problem(bundle, spec.num_workers, spec.placement_strategy, list(nodes.values()))
     if problem:
@@ -104,6 +110,47 @@ def check_request(spec: GroupSpec, error_type: type[Exception] = ValueError) -> 
             f"{problem}.\nThe cluster's nodes:\n{describe_nodes(nodes)}\n"
             "Ask for fewer workers or resources (ScalingConfig), another placement_strategy, or add nodes."
         )
+
+
+def autoscaler_max_resources() -> dict[str, float] | None:
+    """The most of each resource the cluster's autoscaler config allows (None: no autoscaler)."""
+    try:
+        from ray._private.state import state
+
+        most = state.get_max_resources_from_cluster_config()
+    except Exception:  # noqa: BLE001 - Ray's internal reader: no answer is no autoscaler
+        return None
+    return {key: float(value) for key, value in most.items()} if most else None
+
+
+def _check_against_the_most(
+    spec: GroupSpec, bundle: Mapping[str, float], most: Mapping[str, float], error_type: type[Exception]
+) -> None:
+    for key, amount in bundle.items():
+        if key.startswith("accelerator_type:"):
+            continue
+        if amount * spec.num_workers > most.get(key, 0.0):
+            raise error_type(
+                f"The Ray cluster can't hold {spec.num_workers} worker(s) of {bundle}: they need "
+                f"{key}={amount * spec.num_workers:g}, and its autoscaler config allows at most "
+                f"{key}={most.get(key, 0.0):g}. Ask for fewer workers or resources (ScalingConfig), or "
+                "allow more nodes in the cluster's config."
+            )
+
+
+def _placed_within(group: Any, timeout_s: float) -> bool:
+    """Wait for ``group`` to be placed, in short waits (a Ctrl-C is taken between them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if group.wait(timeout_seconds=PLACEMENT_WAIT_SLICE_S):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
+#: How long each wait for a placement group lasts (a Ctrl-C waits for the end of one; Ray takes
+#: whole seconds).
+PLACEMENT_WAIT_SLICE_S = 1
 
 
 def reserve(spec: GroupSpec) -> Any:
@@ -119,7 +166,12 @@ def reserve(spec: GroupSpec) -> Any:
     check_request(spec, TrainingFailedError)
     bundle = worker_bundle(spec)
     group = placement_group([dict(bundle) for _ in range(spec.num_workers)], strategy=spec.placement_strategy)
-    if group.wait(timeout_seconds=spec.placement_timeout_s):
+    try:
+        placed = _placed_within(group, spec.placement_timeout_s)
+    except BaseException:  # Ctrl-C while waiting: the group must not keep holding its resources
+        remove_placement_group(group)
+        raise
+    if placed:
         return group
     remove_placement_group(group)
     available = ray.available_resources()
