@@ -100,3 +100,20 @@ def test_runs_show_and_plot_work_on_s3(s3_env: dict[str, str], tmp_path: Path) -
     drawn = lockstep_cli("plot", "good", "--storage", "s3://runs/cli", "-o", str(tmp_path / "s3.png"))
     assert drawn.returncode == 0, drawn.stderr
     assert "step, loss" in drawn.stdout
+
+
+def test_lockstep_run_passes_the_scripts_arguments_as_given() -> None:
+    from lockstep.cli import _script_arguments
+
+    assert _script_arguments(["run", "train.py", "--", "x"]) == ["--", "x"]  # python train.py -- x keeps "--"
+    assert _script_arguments(["run", "train.py", "--lr", "0.1"]) == ["--lr", "0.1"]
+    assert _script_arguments(["run", "train.py"]) == []
+
+
+def test_nested_metrics_are_plotted_and_charted_by_their_path() -> None:
+    from lockstep._internal.console_lines import shown_lines
+    from lockstep.callbacks import numeric_metrics
+
+    reported = {"val": {"loss": 0.5, "note": "x"}, "done": True, "step": 3}
+    assert numeric_metrics(reported) == {"val/loss": 0.5, "step": 3.0}
+    assert shown_lines("epoch 1\n10%\r50%\r100%\ndone\rdone!\r\n") == ["epoch 1", "100%", "done!"]

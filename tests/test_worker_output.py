@@ -232,3 +232,11 @@ def test_unfinished_lines_of_two_ranks_never_run_together_and_keep_their_tags() 
     assert b"".join(shown) == (b"[rank 1] \rprogress 0/3\n[rank 0] no newline from rank 0\n[rank 1] \rprogress 1/3"), (
         b"".join(shown)
     )
+
+
+def test_a_failure_tail_shows_a_progress_bars_last_state_not_every_one(tmp_path: Path) -> None:
+    relay = OutputRelay(str(tmp_path), "none")
+    relay.write(0, b"epoch 1\n" + b"".join(b"\r%d%%" % percent for percent in range(0, 101, 5)) + b"\n", True)
+    relay.write(0, b"Traceback: boom\n", True)
+    relay.close()
+    assert relay.stderr_tail(0) == "epoch 1\n100%\nTraceback: boom\n"

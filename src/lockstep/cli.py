@@ -221,10 +221,11 @@ def run_dashboard(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lockstep`` console script; returns the exit status."""
-    args = parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
     if args.command == "run":  # the script's exceptions and exit status are its own
         try:
-            return run_script(args.script, args.arguments)
+            return run_script(args.script, _script_arguments(raw))
         except FileNotFoundError as error:
             print(f"lockstep run: {error}", file=sys.stderr)
             return 2
@@ -260,3 +261,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _script_arguments(raw: list[str]) -> list[str]:
+    """What follows the script in ``lockstep run SCRIPT ...``, as given (argparse drops a ``--``
+    there, which ``python SCRIPT -- x`` passes on to the script)."""
+    return raw[raw.index("run") + 2 :]

@@ -11,6 +11,7 @@ import collections
 import threading
 from typing import Any
 
+from lockstep._internal.console_lines import shown_lines
 from lockstep._internal.persist.filesystems import join, resolve_filesystem
 from lockstep._internal.persist.storage import RunStorage
 from lockstep.dashboard.history import ReportHistory
@@ -132,7 +133,7 @@ class RunStore:
         with self.filesystem.open(path, "rb") as handle:
             handle.seek(start)
             data = handle.read(size - start)
-        lines = data.decode("utf-8", errors="replace").splitlines()
+        lines = shown_lines(data.decode("utf-8", errors="replace"))
         if start > 0:
             lines = lines[1:]  # the first line is cut
         return "\n".join(lines[-LOG_TAIL_LINES:])

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lockstep._internal.metric_names import flat_metrics
 from lockstep.checkpoint import Checkpoint
 
 #: How a run that was asked to stop is recorded: ``"stopped"``, or ``"pruned"`` (a search
@@ -128,9 +129,10 @@ class Callback:
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The metrics that are numbers (bools left out), as floats."""
+    """The metrics that are numbers (bools left out), as floats; a nested one named by its path
+    (``"val/loss"``, as Ray Tune names it)."""
     return {
         key: float(value)
-        for key, value in metrics.items()
+        for key, value in flat_metrics(metrics).items()
         if isinstance(value, numbers.Real) and not isinstance(value, bool)
     }

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Literal
 
+from lockstep._internal.console_lines import shown_lines
 from lockstep._internal.output.pipe_reader import PipeReader
 from lockstep._internal.output.progress import around_output
 from lockstep._internal.rank_spans import rank_span
@@ -86,7 +87,7 @@ class OutputRelay:
             self._write_log(rank, chunk, is_stderr)
             if is_stderr:  # a relayed rank's first chunk may come before its log file (no line end yet)
                 tail = self._stderr_tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
-                tail.extend(chunk.splitlines(keepends=True))
+                tail.extend(_newline_pieces(chunk))  # lines end at \n only: a bar's \r states stay in one
             if self._merging is not None:
                 self._merging.take(rank, chunk, is_stderr, time.monotonic())
                 self._wake_timer()
@@ -131,8 +132,10 @@ class OutputRelay:
                 self._merging.show_due(time.monotonic())
 
     def stderr_tail(self, rank: int) -> str:
-        """The last lines ``rank`` wrote to stderr."""
-        return b"".join(self._stderr_tails.get(rank, ())).decode(errors="replace")
+        """The last lines ``rank`` wrote to stderr, as a terminal shows them (a progress bar's
+        last state)."""
+        text = b"".join(self._stderr_tails.get(rank, ())).decode(errors="replace")
+        return "".join(line + "\n" for line in shown_lines(text) if line)
 
     def tail_with_log_path(self, rank: int) -> str:
         """The last lines ``rank`` wrote to stderr, then where its full log is."""
@@ -346,3 +349,9 @@ def rank_tag(ranks: set[int]) -> bytes:
     if len(ranks) == 1:
         return f"[rank {next(iter(ranks))}] ".encode()
     return f"[ranks {rank_span(ranks, separator=',')}] ".encode()
+
+
+def _newline_pieces(chunk: bytes) -> list[bytes]:
+    """``chunk`` cut after each ``\n`` (``splitlines`` would cut at ``\r`` too)."""
+    parts = chunk.split(b"\n")
+    return [part + b"\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
