@@ -12,6 +12,7 @@ import os
 import queue
 import shutil
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -135,15 +136,15 @@ class CheckpointUploader:
     def __init__(self, context: TrainContext, channel: WorkerChannel) -> None:
         self._context = context
         self._channel = channel
-        self._jobs: queue.Queue[tuple[int, Upload, str] | None] = queue.Queue()
-        self._staged: list[tuple[int, Upload, str]] = []
+        self._jobs: queue.Queue[tuple[int, Upload, str, str | None] | None] = queue.Queue()
+        self._staged: list[tuple[int, Upload, str, str | None]] = []
         self._thread = threading.Thread(target=self._upload_loop, name="lockstep-checkpoint-upload", daemon=True)
         self._thread.start()
 
     def submit(self, index: int, checkpoint: Checkpoint, job: Upload) -> None:
         """Stage ``checkpoint`` for report ``index``; its upload starts at :meth:`start_staged`."""
         staged = private_copy(checkpoint.path) if checkpoint.is_local else checkpoint.to_directory()
-        self._staged.append((index, job, staged))
+        self._staged.append((index, job, staged, checkpoint.path if checkpoint.is_local else None))
 
     def start_staged(self) -> None:
         """Start the uploads staged so far: called once the report that staged them is
@@ -154,13 +155,16 @@ class CheckpointUploader:
 
     def _upload_loop(self) -> None:
         while (item := self._jobs.get()) is not None:
-            index, job, staged = item
+            index, job, staged, original = item
             error = external = files = None
             try:
                 with PROGRESS.making_progress():
                     external, files = upload(self._context, Checkpoint.from_directory(staged), job, given_goes=True)
-            except Exception as failure:  # noqa: BLE001 - the driver must hear of every failed upload
+            except BaseException as failure:  # noqa: BLE001 - the driver must hear of every failed upload (SystemExit too)
                 error = str(failure) if type(failure) is OSError else f"{type(failure).__name__}: {failure}"
+                kept = _keep_failed_copy(staged, original) if job.delete_local else None
+                if kept is not None:
+                    error += f"; the checkpoint's files are kept in {kept}"
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
             message = protocol.CheckpointUploaded(
@@ -178,3 +182,19 @@ class CheckpointUploader:
         self.start_staged()
         self._jobs.put(None)
         self._thread.join()
+
+
+def _keep_failed_copy(staged: str, original: str | None) -> str | None:
+    """Keep the staged copy of a checkpoint whose upload failed, when its own folder was
+    deleted at ``report()`` (delete_local_checkpoint_after_upload, ASYNC's default): as
+    ``<folder>.lockstep_failed_upload`` beside it (a name of its own, when taken); where, or None."""
+    if original is None or not os.path.isdir(staged):
+        return None
+    target = f"{original.rstrip(os.sep)}.lockstep_failed_upload"
+    if os.path.exists(target):
+        target = f"{target}_{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(staged, target)
+    except OSError:
+        return None
+    return target

@@ -198,6 +198,7 @@ class AttemptEvents:
             if attempt.liveness.finished or attempt.collectives.waiting:
                 attempt.liveness.fail(attempt.barrier.left_behind(attempt.liveness.finished) or self._deadlock(attempt))
             return
+        self.preemption.report_completed(report.index)
         self._record(report.index, calls, attempt)
         if attempt.hangs is not None:
             attempt.hangs.report_done()
@@ -289,7 +290,7 @@ class AttemptEvents:
             latest = self.recorder.latest_checkpoint
             assert latest is not None, f"{pending.dir_name} was committed but is not the latest checkpoint"
             self.listeners.on_checkpoint(index, latest)
-            self.preemption.committed()
+            self.preemption.committed(index)
             attempt.liveness.grow_if(self.make_group.can_grow)
 
 

@@ -29,6 +29,7 @@ class PendingCheckpoint:
     external_path: str | None = None
     validation: bool | dict[str, Any] | None = None
     files: dict[int, list[Any]] = field(default_factory=dict)
+    places: dict[int, str | None] = field(default_factory=dict)  # where each rank put it (None: the run folder)
 
 
 class CheckpointCommits:
@@ -38,6 +39,7 @@ class CheckpointCommits:
         self.pending: dict[int, PendingCheckpoint] = {}
         self.uploaded_early: set[tuple[int, int]] = set()
         self.early_external_paths: dict[int, str] = {}
+        self.early_places: dict[int, dict[int, str | None]] = {}
         self.early_files: dict[int, dict[int, list[Any]]] = {}
         self.written_dir_names: set[str] = set()
 
@@ -59,8 +61,10 @@ class CheckpointCommits:
         validation = min(with_checkpoint, key=lambda call: call.rank).validation
         files = {call.rank: call.files for call in with_checkpoint if call.files is not None}
         files.update(self.early_files.pop(index, {}))
+        places = {call.rank: call.external_path for call in with_checkpoint if call.checkpoint_state != "uploading"}
+        places.update(self.early_places.pop(index, {}))
         self.pending[index] = PendingCheckpoint(
-            dir_name, metrics, uploading, external_path=external, validation=validation, files=files
+            dir_name, metrics, uploading, external_path=external, validation=validation, files=files, places=places
         )
 
     def uploaded(self, event: CheckpointUploaded) -> WorkerFailure | None:
@@ -70,12 +74,14 @@ class CheckpointCommits:
         pending = self.pending.get(event.index)
         if pending is None:  # the upload beat the other ranks' report() calls
             self.uploaded_early.add((event.index, event.rank))
+            self.early_places.setdefault(event.index, {})[event.rank] = event.external_path
             if event.external_path:
                 self.early_external_paths.setdefault(event.index, event.external_path)
             if event.files is not None:
                 self.early_files.setdefault(event.index, {})[event.rank] = event.files
         else:
             pending.waiting.discard(event.rank)
+            pending.places[event.rank] = event.external_path
             pending.external_path = pending.external_path or event.external_path
             if event.files is not None:
                 pending.files[event.rank] = event.files
@@ -92,8 +98,25 @@ class CheckpointCommits:
             pending = self.pending[index]
             if pending.waiting:
                 return
+            _check_one_place(index, pending)
             yield index, pending
             del self.pending[index]
+
+
+def _check_one_place(index: int, pending: PendingCheckpoint) -> None:
+    """Refuse a checkpoint whose ranks put their files in different places (each rank's
+    checkpoint_upload_fn returned another path, or one rank's is the run folder): the record can
+    name only one, and the other ranks' files would be lost from it (Ray Train refuses it too).
+
+    Raises:
+        TrainingFailedError: the ranks' places differ.
+    """
+    if len(set(pending.places.values())) > 1:
+        shown = "; ".join(f"rank {rank}: {place or 'the run folder'}" for rank, place in sorted(pending.places.items()))
+        raise TrainingFailedError(
+            f"report #{index}: the ranks put checkpoint {pending.dir_name} in different places ({shown}); "
+            "every rank's checkpoint_upload_fn must return the same checkpoint (one folder all ranks write into)."
+        )
 
 
 def agreed_dir_name(index: int, calls: Iterable[Report]) -> str | None:

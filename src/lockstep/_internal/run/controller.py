@@ -271,9 +271,20 @@ class Controller:
                     attempt.stacks = with_whereabouts(attempt.stacks, attempt.hangs)
         finally:
             group.stop()
-        if attempt.outcome is not AttemptOutcome.SUCCEEDED:
-            self.recorder.discard_uncommitted(attempt.commits.written_dir_names)
+            if attempt.outcome is not AttemptOutcome.SUCCEEDED:  # also when a stop or Ctrl-C cut it short
+                self._discard_uncommitted(attempt)
         return attempt
+
+    def _discard_uncommitted(self, attempt: Attempt) -> None:
+        """Delete the folders the attempt's ranks began writing and no commit names (a rerun
+        would otherwise write into them); a storage error here is logged, not raised over the
+        attempt's own end."""
+        try:
+            self.recorder.discard_uncommitted(attempt.commits.written_dir_names)
+        except Exception as error:  # noqa: BLE001 - the attempt's own error or outcome comes first
+            logger.warning(
+                "could not delete the unfinished checkpoint folders %s: %s", attempt.commits.written_dir_names, error
+            )
 
     def _gives_up(self, attempt: Attempt) -> bool:
         """Whether ranks told to stop had their time to leave (once every checkpoint is committed)."""

@@ -62,6 +62,7 @@ class Preemption:
         self.deadline: float | None = None
         self.deadline_ms: int | None = None
         self.checkpoint_committed = False
+        self.reports_from: int | None = None  # the first report completed after the notice
         self.urgent = False
         self.finishing = False
         self.hung_up: str | None = None
@@ -99,9 +100,18 @@ class Preemption:
             logger.warning("A second SIGTERM: the run stops now (preempted).")
         self.urgent = self.urgent or urgent
 
-    def committed(self) -> None:
-        """A checkpoint was committed; after a notice, the run stops there."""
-        self.checkpoint_committed = self.checkpoint_committed or self.noticed
+    def report_completed(self, index: int) -> None:
+        """Report ``index`` is complete (every rank made it): the first after a notice is where
+        the ranks' answers to it can begin."""
+        if self.noticed and self.reports_from is None:
+            self.reports_from = index
+
+    def committed(self, report_index: int) -> None:
+        """The checkpoint of report ``report_index`` was committed; the run stops there when it
+        was reported after the notice (an ASYNC upload from before it that ends late does not
+        stop the run: the checkpoints reported in answer to the notice are still to come)."""
+        if self.noticed and self.reports_from is not None and report_index >= self.reports_from:
+            self.checkpoint_committed = True
 
     def hang_up(self, reason: str) -> None:
         """The process got SIGHUP while the controller runs on another thread: the controller
