@@ -108,6 +108,7 @@ def test_lockstep_run_passes_the_scripts_arguments_as_given() -> None:
     assert _script_arguments(["run", "train.py", "--", "x"]) == ["--", "x"]  # python train.py -- x keeps "--"
     assert _script_arguments(["run", "train.py", "--lr", "0.1"]) == ["--lr", "0.1"]
     assert _script_arguments(["run", "train.py"]) == []
+    assert _script_arguments(["run", "--", "args.py", "1"]) == ["1"]
 
 
 def test_nested_metrics_are_plotted_and_charted_by_their_path() -> None:

@@ -120,3 +120,93 @@ def test_a_daemon_thread_running_the_script_s_code_keeps_python_s_own_exit(tmp_p
     completed, out = run_script(tmp_path / "library", library_code, "1")
     assert completed.returncode == 0, completed.stderr
     assert Path(f"{out}.package").read_text() == ""  # a thread in the standard library's code does not skip it
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+ZIP_IN_A_CYCLE = """
+import atexit, sys, zipfile
+
+class Recorder:
+    # A cycle (its bound method in its own list) holding an open zip file: closed by a collection.
+    def __init__(self, path):
+        self.archive = zipfile.ZipFile(path, "w")
+        self.hooks = [self.record]
+    def record(self, text):
+        self.archive.writestr("metrics.txt", text)
+
+recorder = Recorder(sys.argv[1])
+recorder.record("loss=0.1")
+atexit.register(lambda: None)  # the script's function, held by atexit: its globals get cleared
+"""
+
+LOGGING_HANDLER = """
+import json, logging, sys
+
+class JsonFileHandler(logging.Handler):
+    # Writes its records when closed (by logging's shutdown), with the script's json.
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.records = path, []
+    def emit(self, record):
+        self.records.append(record.getMessage())
+    def close(self):
+        with open(self.path, "w") as handle:
+            handle.write(json.dumps(self.records))
+        super().close()
+
+log = logging.getLogger("job")
+log.addHandler(JsonFileHandler(sys.argv[1]))
+log.warning("hello")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_cycle_the_clearing_releases_is_collected_and_logging_shuts_down_first(tmp_path: Path) -> None:
+    import json
+    import zipfile
+
+    (tmp_path / "zip").mkdir()
+    completed, out = run_script(tmp_path / "zip", ZIP_IN_A_CYCLE, "1")
+    assert completed.returncode == 0, completed.stderr
+    with zipfile.ZipFile(out) as archive:
+        assert archive.read("metrics.txt") == b"loss=0.1"  # closed: its central directory was written
+    (tmp_path / "log").mkdir()
+    completed, out = run_script(tmp_path / "log", LOGGING_HANDLER, "1")
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(out.read_text()) == ["hello"]
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_thread_started_through_a_partial_keeps_python_s_own_exit(tmp_path: Path) -> None:
+    code = HELD_BY_A_PACKAGE + "\nimport functools\ndef wait(event):\n    event.wait()\n"
+    code += "\nthreading.Thread(target=functools.partial(wait, threading.Event()), daemon=True).start()\n"
+    completed, out = run_script(tmp_path, code, "1")
+    assert completed.returncode == 0, completed.stderr
+    assert Path(f"{out}.package").read_text() == "finalized"  # the step was skipped
+
+
+@pytest.mark.timeout(120)
+def test_lockstep_run_compiles_the_script_as_python_does_and_finds_a_symlinked_scripts_folder(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "helper.py").write_text("VALUE = 1\n")
+    (real / "main.py").write_text(
+        "import sys\nimport helper\ndef f(x: int) -> None: ...\n"
+        "print(f.__annotations__['x'] is int, helper.VALUE, sys.argv[1:])\n"
+    )
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "main.py").symlink_to(real / "main.py")
+    env = {**os.environ, "LOCKSTEP_WARM_START": "0"}
+    completed = subprocess.run(
+        [LOCKSTEP_COMMAND, "run", str(tmp_path / "linked" / "main.py"), "--", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == "True 1 ['--', 'x']\n"  # no __future__ annotations; the real folder; "--" kept

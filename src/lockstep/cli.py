@@ -266,4 +266,7 @@ if __name__ == "__main__":
 def _script_arguments(raw: list[str]) -> list[str]:
     """What follows the script in ``lockstep run SCRIPT ...``, as given (argparse drops a ``--``
     there, which ``python SCRIPT -- x`` passes on to the script)."""
-    return raw[raw.index("run") + 2 :]
+    start = raw.index("run") + 1
+    if raw[start : start + 1] == ["--"]:  # lockstep run -- SCRIPT ...
+        start += 1
+    return raw[start + 1 :]

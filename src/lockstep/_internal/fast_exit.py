@@ -18,9 +18,10 @@ exit handlers have run, one step:
    and the operating system reclaims it with the process.
 
 What no longer happens: an object that only the teardown of an installed package would release
-is not finalized (a buffered file it holds was flushed before), nor is a reference cycle that the
-clearing of a held module's globals leaves behind. While a daemon thread of the script still runs
-code of its modules, the step is skipped and Python's own exit runs. ``LOCKSTEP_FAST_EXIT=0``
+is not finalized (a buffered file it holds was flushed before). ``logging`` is shut down first
+(its handlers may be the script's), and what the clearing of a held module's globals releases
+is collected before the freeze. While a thread other than an installed package's or lockstep's
+still runs (it may run the script's code), the step is skipped and Python's own exit runs. ``LOCKSTEP_FAST_EXIT=0``
 keeps Python's own exit.
 """
 
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import io
+import logging
 import os
 import sys
 import threading
@@ -57,6 +60,8 @@ def end_without_last_collections(script_folder: str) -> bool:
 
 
 def _end_shortly(script_folder: str) -> None:
+    atexit.unregister(logging.shutdown)  # its exit handler would come after this one, and run twice
+    logging.shutdown()
     names = _script_modules(script_folder)
     if _runs_in_a_thread(names):
         return
@@ -69,10 +74,14 @@ def _end_shortly(script_folder: str) -> None:
         probes.append(weakref.ref(_Probe(vars(sys.modules.pop(name)))))
     sys.modules["__main__"] = ModuleType("__main__")
     gc.collect()  # the script's modules that nothing else holds go, their globals set for finalizers
+    cleared = False
     for probe in probes:
         held = probe()
         if held is not None:  # an installed package still holds something of it: clear it as Python would
             _clear(held.names)
+            cleared = True
+    if cleared:
+        gc.collect()  # what only those globals held (cycles included) is finalized before the freeze
     gc.freeze()
 
 
@@ -108,14 +117,29 @@ def _script_modules(script_folder: str) -> list[str]:
 
 
 def _runs_in_a_thread(names: list[str]) -> bool:
-    """Whether a thread still running (a daemon thread) runs code of one of the modules ``names``:
-    clearing their globals under it would break it, so Python's own exit is kept then."""
+    """Whether a thread still runs (a daemon thread) that is not an installed package's: it may
+    run code of the script's modules (``names``; through a partial, a bound method, anything),
+    and clearing their globals under it would break it, so Python's own exit is kept then."""
     for thread in threading.enumerate():
+        if thread is threading.current_thread():
+            continue
         target = getattr(thread, "_target", None)
+        while isinstance(target, functools.partial):
+            target = target.func
         where = getattr(target, "__module__", None) if target is not None else type(thread).__module__
-        if thread is not threading.current_thread() and where in names:
+        if where in names or not _installed_module(where):
             return True
     return False
+
+
+def _installed_module(name: Any) -> bool:
+    """Whether module ``name`` is an installed package's, or lockstep's (its threads never run
+    the script's code)."""
+    if isinstance(name, str) and name.split(".")[0] == "lockstep":
+        return True
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    origin = getattr(module, "__file__", None)
+    return isinstance(origin, str) and installed_file(os.path.abspath(origin))
 
 
 def _flush_open_files() -> None:

@@ -36,7 +36,7 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
 
     if warm_start.warm_process_pid() is None:  # else `import lockstep` started it for this script already
         warm_start.start_in_background(scan_script(path).modules)
-    folder = os.path.dirname(path)
+    folder = os.path.dirname(os.path.realpath(path))  # as Python: a symlinked script's own folder
     end_without_last_collections(folder)
     sys.argv = [script, *arguments]
     sys.path[0] = folder
@@ -61,7 +61,7 @@ def _run_as_main(path: str) -> None:
     )
     sys.modules["__main__"] = module
     with io.open_code(path) as handle:
-        code = compile(handle.read(), path, "exec")
+        code = compile(handle.read(), path, "exec", dont_inherit=True)  # not this module's __future__ flags
     exec(code, module.__dict__)  # the user's script, as Python runs it
 
 
