@@ -68,6 +68,15 @@ def test_the_guess_is_the_installed_packages_the_script_and_its_own_modules_impo
     assert scan_script(str(script)).builds_trainer is True, "a trainer named in the script's own module counts"
 
 
+def test_a_package_beside_the_script_is_the_users_even_when_an_installed_one_has_its_name(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nimport numpy\nfrom numpy import linalg\n")
+    assert scan_script(str(script)).modules == ["torch", "numpy"]  # installed: worth importing ahead
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("linalg = None\n")
+    assert scan_script(str(script)).modules == ["torch"]  # the local copy: the workers import it from disk
+
+
 def test_a_script_that_cannot_be_read_or_parsed_guesses_nothing(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("import torch\ndef (:\n")

@@ -115,9 +115,12 @@ def scan_script(script: str) -> ScriptScan:
         except (OSError, SyntaxError, ValueError):
             continue
         for name in _imported_names(tree):
-            local = os.path.join(folder, name.partition(".")[0] + ".py")
+            top = name.partition(".")[0]
+            local = os.path.join(folder, top + ".py")
             if os.path.isfile(local):
                 queue.append(local)
+            elif os.path.isdir(os.path.join(folder, top)):
+                continue  # the user's package beside the script (maybe shadowing an installed one): workers import it
             elif _may_preload(name):
                 found.append(name)
         if b"prepare_model" in text:
