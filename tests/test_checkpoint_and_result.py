@@ -253,3 +253,17 @@ def test_a_history_line_that_is_no_report_is_skipped_with_a_warning(
     Path(storage.path_of("reports.jsonl")).write_text("".join(row + "\n" for row in rows))
     assert [report["report_index"] for report in storage.read_reports()] == [0, 2]
     assert "line 2 is not a report (skipped)" in caplog.text
+
+
+def test_a_large_conjugate_view_tensor_travels_in_the_payload() -> None:
+    import torch
+
+    from lockstep._internal.payload import TrainJob, deserialize_payload, serialize_payload
+    from lockstep.backend import BackendConfig
+
+    values = torch.randn(1 << 17, dtype=torch.complex64)  # 1 MiB: large enough to be shared
+    config = {"conj": values.conj(), "neg": torch.randn(1 << 18)._neg_view()}
+    job = TrainJob(print, config, BackendConfig(), False, RunStorage("/tmp/x"))
+    back = deserialize_payload(bytearray(serialize_payload(job)))
+    sent = back.train_loop_config
+    assert torch.equal(sent["conj"], values.conj()) and torch.equal(sent["neg"], config["neg"])

@@ -137,6 +137,8 @@ def _shareable(tensor: Any) -> bool:
         tensor.device.type == "cpu"
         and tensor.layout == torch.strided
         and not tensor.is_quantized
+        and not tensor.is_conj()  # a lazy conjugate or negative view has no plain bytes to share
+        and not tensor.is_neg()
         and tensor.dim() > 0
         and tensor.numel() * tensor.element_size() >= SHARED_TENSOR_MIN_BYTES
     )
