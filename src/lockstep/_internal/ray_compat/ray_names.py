@@ -149,7 +149,12 @@ RAY_TRAIN_TORCH: dict[str, NameStatus] = {
     ),
     "get_device": _provided("lockstep.torch.get_device"),
     "get_devices": _provided("lockstep.torch.get_devices"),
-    "prepare_model": _provided("lockstep.torch.prepare_model"),
+    "prepare_model": _provided(
+        "lockstep.torch.prepare_model",
+        'parallel_strategy="fsdp" without FSDP1\'s arguments shards with FSDP2 (fully_shard, in place: no .module, '
+        "state_dict() gives sharded DTensors; save with torch.distributed.checkpoint) where Ray wraps in FSDP1; "
+        "FSDP1's arguments give FSDP1 on GPUs, as with Ray",
+    ),
     "prepare_data_loader": _provided("lockstep.torch.prepare_data_loader"),
     "enable_reproducibility": _provided("lockstep.torch.enable_reproducibility"),
     "TorchCheckpoint": _deprecated(
