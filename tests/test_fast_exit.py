@@ -210,3 +210,14 @@ def test_lockstep_run_compiles_the_script_as_python_does_and_finds_a_symlinked_s
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == "True 1 ['--', 'x']\n"  # no __future__ annotations; the real folder; "--" kept
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_does_not_compile_shows_the_error_alone_as_under_python(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("x = (\n")
+    env = {**os.environ, "LOCKSTEP_WARM_START": "0"}
+    ours = subprocess.run([LOCKSTEP_COMMAND, "run", str(script)], capture_output=True, text=True, timeout=30, env=env)
+    pythons = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert ours.returncode == pythons.returncode == 1
+    assert ours.stderr == pythons.stderr and "launch.py" not in ours.stderr, ours.stderr

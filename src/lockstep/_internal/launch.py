@@ -47,6 +47,8 @@ def run_script(script: str, arguments: Sequence[str]) -> int:
         raise
     except Exception as error:  # noqa: BLE001 - shown as `python SCRIPT` shows it
         trace = _from_script(error.__traceback__, path)
+        if trace is error.__traceback__ and isinstance(error, SyntaxError) and error.filename == path:
+            trace = None  # the script does not compile: Python shows the error alone
         sys.excepthook(type(error), error.with_traceback(trace), trace)
         return 1
     return 0
