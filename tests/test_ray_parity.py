@@ -137,3 +137,9 @@ def test_a_torchrun_rank_uses_the_gpu_at_its_local_rank(monkeypatch: pytest.Monk
     assert [gpu_of_local_rank(0), gpu_of_local_rank(1)] == ["2", "3"]  # cuda:0 and cuda:1 in this process
     with pytest.raises(ValueError, match="lists 2 GPU"):
         gpu_of_local_rank(2)
+
+
+def test_an_empty_checkpoint_dir_name_is_the_default_name_as_in_ray() -> None:
+    from lockstep._internal.rank.worker_session import _checked_dir_name
+
+    assert _checked_dir_name("", 7) == _checked_dir_name(None, 7) == "checkpoint_000007"

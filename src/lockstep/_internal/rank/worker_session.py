@@ -320,7 +320,7 @@ def validation_request(validation: Any, checkpoint: Checkpoint | None, has_valid
 
 
 def _checked_dir_name(checkpoint_dir_name: str | None, index: int) -> str:
-    if checkpoint_dir_name is None:
+    if checkpoint_dir_name is None or checkpoint_dir_name == "":  # "" too, as in Ray Train: the default name
         return f"checkpoint_{index:06d}"
     name = str(checkpoint_dir_name)
     if not name or "/" in name or "\\" in name or name.startswith(".") or name in RESERVED_NAMES:
