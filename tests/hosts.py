@@ -412,3 +412,29 @@ def _write_trap_hosts_file(namespace: str) -> None:
 def driver_command(host: Host, script: str, *args: str) -> list[str]:
     """The command line that runs ``script`` with this Python on ``host``."""
     return host.command([sys.executable, script, *args])
+
+
+def torchrun_commands(hosts: Sequence[Host], script: str, *args: str) -> list[tuple[Host, list[str]]]:
+    """``(host, command)`` for one torchrun per host, one rank each, the first host holding the
+    rendezvous (on a free port of its own), with no restarts: ``script`` and ``args`` on every host."""
+    master = hosts[0]
+    port = free_port(master)
+    return [
+        (
+            host,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={len(hosts)}",
+                "--nproc_per_node=1",
+                f"--node_rank={node_rank}",
+                f"--master_addr={master.address}",
+                f"--master_port={port}",
+                "--max-restarts=0",
+                script,
+                *args,
+            ],
+        )
+        for node_rank, host in enumerate(hosts)
+    ]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
-from hosts import Host, HostNetwork, RayCluster, free_port, kill_tree
+from hosts import Host, HostNetwork, RayCluster, kill_tree, torchrun_commands
 
 from lockstep._internal.wire.link_watch import (
     LINK_TIMEOUT_S,
@@ -230,29 +230,8 @@ def test_ray_run_whose_host_b_dies_goes_on_with_what_remains(ray_cluster: RayClu
 
 
 def torchruns(network: HostNetwork, storage: Path, steps: int) -> list[subprocess.Popen[bytes]]:
-    host_a = network.hosts[0]
-    port = free_port(host_a)
-    return [
-        start(
-            host,
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={node_rank}",
-                f"--master_addr={host_a.address}",
-                f"--master_port={port}",
-                "--max-restarts=0",
-                SCRIPT,
-                str(storage),
-                "--steps",
-                str(steps),
-            ],
-        )
-        for node_rank, host in enumerate(network.hosts)
-    ]
+    commands = torchrun_commands(network.hosts, SCRIPT, str(storage), "--steps", str(steps))
+    return [start(host, command) for host, command in commands]
 
 
 def rerun_continues(network: HostNetwork, storage: Path) -> None:

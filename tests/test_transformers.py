@@ -4,6 +4,7 @@ reported through ``lockstep.huggingface.transformers.RayTrainReportCallback``.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -221,17 +222,7 @@ def test_rank_env_tells_accelerate_the_device() -> None:
         master_port=1234,
     )
     assert cpu_rank.variables()["ACCELERATE_USE_CPU"] == "true"
-    gpu_rank = RankEnv(
-        world_rank=1,
-        world_size=2,
-        local_rank=1,
-        local_world_size=2,
-        node_rank=0,
-        master_addr="127.0.0.1",
-        master_port=1234,
-        visible_gpus=("4", "6"),
-        gpu_ids=("6",),
-    )
+    gpu_rank = dataclasses.replace(cpu_rank, visible_gpus=("4", "6"), gpu_ids=("6",))
     variables = gpu_rank.variables()
     assert variables["ACCELERATE_TORCH_DEVICE"] == "cuda:1" and "ACCELERATE_USE_CPU" not in variables
 

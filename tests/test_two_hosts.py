@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
-from hosts import Host, HostNetwork, RayCluster, free_port, kill_tree, wait_listening
+from hosts import Host, HostNetwork, RayCluster, free_port, kill_tree, torchrun_commands, wait_listening
 
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
 RUN_TIMEOUT_S = 150
@@ -176,27 +176,7 @@ def test_ray_storage_host_b_cannot_see_is_refused(ray_cluster: RayCluster, node_
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_torchrun_two_nodes_on_two_hosts(two_hosts: HostNetwork, tmp_path: Path) -> None:
-    host_a, host_b = two_hosts.hosts
-    port = free_port(host_a)
-    commands = [
-        (
-            host,
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={node_rank}",
-                f"--master_addr={host_a.address}",
-                f"--master_port={port}",
-                "--max-restarts=0",
-                str(SCRIPTS / "torchrun_job.py"),
-                str(tmp_path),
-            ],
-        )
-        for node_rank, host in enumerate((host_a, host_b))
-    ]
+    commands = torchrun_commands(two_hosts.hosts, str(SCRIPTS / "torchrun_job.py"), str(tmp_path))
     outcomes = run_on(commands)
     output = "\n---\n".join(text[-4000:] for _, text in outcomes)
     assert [code for code, _ in outcomes] == [0, 0], f"torchrun failed:\n{output}"
@@ -216,28 +196,7 @@ def test_torchrun_two_nodes_on_two_hosts(two_hosts: HostNetwork, tmp_path: Path)
 def test_torchrun_ranks_that_cannot_connect_all_fail_within_the_start_timeout(
     two_hosts: HostNetwork, tmp_path: Path
 ) -> None:
-    host_a, host_b = two_hosts.hosts
-    port = free_port(host_a)
-    commands = [
-        (
-            host,
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={node_rank}",
-                f"--master_addr={host_a.address}",
-                f"--master_port={port}",
-                "--max-restarts=0",
-                str(SCRIPTS / "torchrun_job.py"),
-                str(tmp_path),
-                "--start-timeout=10",
-            ],
-        )
-        for node_rank, host in enumerate((host_a, host_b))
-    ]
+    commands = torchrun_commands(two_hosts.hosts, str(SCRIPTS / "torchrun_job.py"), str(tmp_path), "--start-timeout=10")
     started = time.monotonic()
     outcomes = run_on(commands, timeout=100, GLOO_SOCKET_IFNAME="lo")  # the user's wrong choice: loopback
     output = "\n---\n".join(text[-4000:] for _, text in outcomes)

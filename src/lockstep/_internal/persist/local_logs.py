@@ -32,6 +32,7 @@ import fsspec
 
 from lockstep._internal.persist.filesystems import download_directory
 from lockstep._internal.persist.retry import StorageRetry
+from lockstep._internal.persist.run_status import stat_fields
 from lockstep._internal.persist.transfer import upload_with_checksums
 
 __all__ = ["LOCAL_LOGS_PREFIX", "OWNER_FILE", "bring_home_left_logs", "fetch_earlier_logs", "new_local_log_dir"]
@@ -124,9 +125,5 @@ def _is_owned(log_dir: str) -> bool:
 def started_at(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot; with its pid, names one process
     for good), or None when there is no such process or it has exited (a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])

@@ -48,8 +48,15 @@ def process_alive(pid: Any) -> bool:
         return False
     except PermissionError:
         return True
+    fields = stat_fields(pid)
+    return fields is None or fields[0] != "Z"  # a zombie runs no code
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from the state on (``[0]`` the state, ``[19]`` the
+    start time in clock ticks since boot), or None when it can't be read."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs no code
+            return stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True
+        return None
